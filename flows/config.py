@@ -1,0 +1,209 @@
+"""The run config: one pydantic object, grouped by concern, loadable from YAML.
+
+Field names follow slime's command-line arguments where slime has one (``--rollout-batch-size`` is
+``rollout.rollout_batch_size``), so a slime user's flags carry over. Every field documents itself; the CLI
+is generated from these models (see ``flows/cli.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from sluiceway.flows.errors import UserError
+
+
+class _Group(BaseModel):
+    # Unknown keys in YAML are mistakes (a typo silently ignored is a lost setting).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ResourcesConfig(_Group):
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Where the trainer and the embedded sampler run.")
+    tensor_model_parallel_size: int = Field(1, ge=1, description="Megatron tensor parallel size.")
+    pipeline_model_parallel_size: int = Field(1, ge=1, description="Megatron pipeline parallel size.")
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice).")
+
+
+class DataConfig(_Group):
+    prompt_data: str | None = Field(
+        None,
+        description="JSONL or Parquet file of prompts (slime format), or 'env:NAME' for a procedural environment.",
+    )
+    input_key: str = Field("input", description="Field holding the prompt: plain text or a list of chat messages.")
+    label_key: str | None = Field("label", description="Field holding the reference answer.")
+    metadata_key: str = Field("metadata", description="Optional field holding per-sample metadata (a dict).")
+    apply_chat_template: bool = Field(False, description="Wrap prompts with the tokenizer's chat template.")
+    system_prompt: str | None = Field(None, description="System message prepended when applying the chat template.")
+    env_size: int = Field(512, ge=1, description="Number of prompts generated for an 'env:NAME' dataset.")
+
+
+class RolloutConfig(_Group):
+    rollout_batch_size: int = Field(8, ge=1, description="Prompts per rollout step.")
+    n_samples_per_prompt: int = Field(8, ge=1, description="Samples per prompt (the GRPO group size).")
+    num_rollout: int = Field(10, ge=1, description="Number of rollout steps in the run.")
+    rollout_max_response_len: int = Field(32, ge=1, description="Maximum new tokens per response.")
+    rollout_max_prompt_len: int = Field(256, ge=1, description="Prompts longer than this (in tokens) are an error.")
+    rollout_temperature: float = Field(0.7, gt=0.0, description="Sampling temperature.")
+    rollout_top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
+    rollout_micro_batch_size: int = Field(64, ge=1, description="Sequences generated together by the sampler.")
+
+
+class RewardConfig(_Group):
+    rm_type: str = Field("math", description="Built-in scorer: 'math' (final answer, \\boxed{} aware) or 'exact'.")
+    custom_rm_path: str | None = Field(
+        None, description="'module.path:function' or 'file.py:function' scoring one sample (overrides rm_type)."
+    )
+
+
+class AlgorithmConfig(_Group):
+    advantage_estimator: Literal["grpo", "dr_grpo", "reinforce_plus_plus_baseline"] = Field(
+        "grpo", description="How rewards become per-token advantages."
+    )
+    normalize_advantages_by_std: bool = Field(True, description="GRPO: divide by the group's reward std.")
+    eps_clip: float = Field(0.2, gt=0.0, description="PPO clip range (lower).")
+    eps_clip_high: float | None = Field(None, gt=0.0, description="PPO clip range (upper); default eps_clip.")
+    use_kl_loss: bool = Field(False, description="Add a KL(policy || reference) loss term.")
+    kl_loss_coef: float = Field(0.0, ge=0.0, description="Weight of the KL loss term.")
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = Field("low_var_kl", description="KL estimator.")
+    entropy_coef: float = Field(0.0, ge=0.0, description="Weight of the entropy bonus.")
+    loss_agg_mode: Literal["token_mean", "seq_mean_token_mean"] = Field(
+        "token_mean", description="token_mean: every trained token weighs the same (DAPO); seq_mean_token_mean: "
+        "every sequence weighs the same (the GRPO paper)."
+    )
+
+
+class TrainingConfig(_Group):
+    global_batch_size: int = Field(64, ge=1, description="Samples per optimizer step.")
+    micro_batch_size: int = Field(16, ge=1, description="Samples per forward/backward pass.")
+    num_steps_per_rollout: int = Field(1, ge=1, description="Optimizer steps per rollout step.")
+    lr: float = Field(1e-6, gt=0.0, description="Learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = Field(0.98, ge=0.0, lt=1.0)
+    clip_grad: float = Field(1.0, ge=0.0, description="Gradient norm clip (0 disables).")
+    bf16: bool = Field(False, description="bf16 autocast over fp32 master weights.")
+    hf_checkpoint: str = Field(
+        "tiny-llama", description="HF model directory, or a zoo name: 'smollm2-135m-instruct', 'tiny-llama'."
+    )
+    save_interval: int | None = Field(None, ge=1, description="Save a checkpoint every N rollout steps.")
+    seed: int = Field(1234, description="Seed for sampling, data order and initialisation.")
+
+
+class StorageSettings(_Group):
+    output_dir: str = Field("runs/default", description="Run directory: local tables, checkpoints, Prefect home.")
+    storage_uri: str | None = Field(
+        None,
+        description="Where tables live: a local path or s3://bucket/prefix (default: OUTPUT_DIR/tables). "
+        "S3 endpoint and credentials come from AWS_* environment variables, never from here.",
+    )
+    s3_endpoint_url: str | None = Field(None, description="S3 endpoint (else AWS_ENDPOINT_URL).")
+    s3_region: str | None = Field(None, description="S3 region (else AWS_REGION, default us-east-1).")
+
+
+class SyncConfig(_Group):
+    sync_mode: Literal["in_process"] = Field(
+        "in_process", description="How new weights reach the sampler (engines over HTTP come later)."
+    )
+
+
+class EvalConfig(_Group):
+    eval_interval: int | None = Field(None, ge=1, description="Evaluate every N rollout steps.")
+    eval_prompt_data: str | None = Field(None, description="Prompt file or 'env:NAME' for evaluation.")
+    n_samples_per_eval_prompt: int = Field(1, ge=1, description="Samples per evaluation prompt.")
+    eval_size: int = Field(32, ge=1, description="Prompts evaluated (taken from the head of the eval data).")
+
+
+class LoggingConfig(_Group):
+    run_id: str | None = Field(None, description="Run identifier (default: derived from output_dir's name).")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO")
+    quiet: bool = Field(False, description="Print no per-step lines.")
+
+
+class RunConfig(_Group):
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    storage: StorageSettings = Field(default_factory=StorageSettings)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _check_invariants(self) -> RunConfig:
+        r, t = self.rollout, self.training
+        produced = r.rollout_batch_size * r.n_samples_per_prompt
+        consumed = t.global_batch_size * t.num_steps_per_rollout
+        if produced != consumed:
+            raise ValueError(
+                f"rollout_batch_size x n_samples_per_prompt ({r.rollout_batch_size} x {r.n_samples_per_prompt}"
+                f" = {produced}) must equal global_batch_size x num_steps_per_rollout"
+                f" ({t.global_batch_size} x {t.num_steps_per_rollout} = {consumed})"
+            )
+        if t.global_batch_size % t.micro_batch_size:
+            raise ValueError(
+                f"global_batch_size ({t.global_batch_size}) must be a multiple of micro_batch_size"
+                f" ({t.micro_batch_size})"
+            )
+        if self.algorithm.advantage_estimator in ("grpo", "dr_grpo") and r.n_samples_per_prompt < 2:
+            raise ValueError("GRPO needs n_samples_per_prompt >= 2 (advantages are relative to the group)")
+        if self.algorithm.use_kl_loss and self.algorithm.kl_loss_coef == 0.0:
+            raise ValueError("use_kl_loss is set but kl_loss_coef is 0: set --kl-loss-coef")
+        if self.data.prompt_data is None:
+            raise ValueError("data.prompt_data is required (--prompt-data FILE or env:NAME)")
+        return self
+
+    @property
+    def run_id(self) -> str:
+        return self.logging.run_id or Path(self.storage.output_dir).resolve().name
+
+    @property
+    def tables_uri(self) -> str:
+        return self.storage.storage_uri or str(Path(self.storage.output_dir).resolve() / "tables")
+
+
+def format_validation_error(err: ValidationError, source: str = "config") -> str:
+    """One line naming each bad field and what was expected."""
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if len(e["loc"]) == 2:  # a group field: also name its command-line flag
+            loc += f" (--{str(e['loc'][1]).replace('_', '-')})"
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return f"{source}: " + "; ".join(parts)
+
+
+def load_yaml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{p}: config file not found")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{p}:{mark.line + 1}" if mark else str(p)
+        raise UserError(f"{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{p}: expected a mapping of config groups at the top level")
+    return data
+
+
+def build_config(base: dict, overrides: dict[tuple[str, str], object], source: str = "config") -> RunConfig:
+    """Merge CLI overrides (group, field) -> value into a YAML dict and validate once."""
+    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for (group, field), value in overrides.items():
+        merged.setdefault(group, {})
+        if not isinstance(merged[group], dict):
+            raise UserError(f"{source}: '{group}' must be a mapping")
+        merged[group][field] = value
+    try:
+        return RunConfig.model_validate(merged)
+    except ValidationError as e:
+        raise UserError(format_validation_error(e, source)) from None

@@ -1,0 +1,107 @@
+"""The RL loop as a Prefect flow: each stage of each step is a durable Prefect task.
+
+    rollout -> reward -> train -> sync -> metrics     (per step)
+
+Stage logic lives in `sluiceway.tasks.*` as plain functions; the tasks here only fetch the live runtime and
+return small summaries (counts, versions) that Prefect records. Stages are tasks rather than subflows
+because each flow run costs about a second of Prefect overhead (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+
+from sluiceway.flows import runtime
+from sluiceway.flows.config import RunConfig
+from sluiceway.storage.metrics import append_metrics
+from sluiceway.storage.trajectories import read_trajectories
+from sluiceway.tasks.reward.score import score_step
+from sluiceway.tasks.rollout.rollout import prompt_indices_for_step, run_rollout
+from sluiceway.tasks.train.batch import build_train_samples, rollout_metrics
+
+# The model state lives in the process, so Prefect must not cache these tasks; idempotency comes from
+# the tables instead (a re-run skips groups and rewards already stored).
+
+
+@task(name="rollout", cache_policy=NO_CACHE, persist_result=False)
+def rollout_task(run_id: str, step: int) -> dict:
+    rt = runtime.get(run_id)
+    c = rt.cfg
+    idx = prompt_indices_for_step(len(rt.prompts), step, c.rollout.rollout_batch_size, c.training.seed)
+    res = run_rollout(
+        store=rt.store, run_id=run_id, step=step, prompts=[rt.prompts[i] for i in idx], sampler=rt.sampler,
+        params=rt.sampling, n_samples=c.rollout.n_samples_per_prompt, seed=c.training.seed,
+        micro_batch_size=c.rollout.rollout_micro_batch_size, decode=rt.decode,
+    )
+    return dataclasses.asdict(res)
+
+
+@task(name="reward", cache_policy=NO_CACHE, persist_result=False)
+def reward_task(run_id: str, step: int) -> dict:
+    rt = runtime.get(run_id)
+    return dataclasses.asdict(score_step(store=rt.store, run_id=run_id, step=step, scorer=rt.scorer))
+
+
+@task(name="train", cache_policy=NO_CACHE, persist_result=False)
+def train_task(run_id: str, step: int) -> dict:
+    rt = runtime.get(run_id)
+    table = read_trajectories(rt.store, run_id, step)
+    a = rt.cfg.algorithm
+    samples = build_train_samples(table, a.advantage_estimator, a.normalize_advantages_by_std)
+    metrics = rollout_metrics(table)
+    metrics.update({f"train/{k}": v for k, v in rt.trainer.train_rollout(samples, step).items()})
+    metrics["weight_version"] = float(rt.trainer.weight_version)
+    return metrics
+
+
+@task(name="sync", cache_policy=NO_CACHE, persist_result=False)
+def sync_task(run_id: str, step: int) -> dict:
+    """Hand the new weights to the sampler, and checkpoint when the save interval says so."""
+    rt = runtime.get(run_id)
+    rt.sampler.update_weights(rt.trainer.hf_state_dict(), rt.trainer.weight_version)
+    interval = rt.cfg.training.save_interval
+    saved = bool(interval and ((step + 1) % interval == 0 or step + 1 == rt.cfg.rollout.num_rollout))
+    if saved:
+        rt.trainer.save(rt.checkpoint_path, step)
+    return {"weight_version": rt.sampler.weight_version, "checkpoint": str(rt.checkpoint_path) if saved else None}
+
+
+def format_step(step: int, total: int, m: dict, seconds: float) -> str:
+    return (
+        f"step {step + 1:>3}/{total}  reward {m['reward_mean']:.3f}  len {m['response_len_mean']:5.1f}"
+        f"  zero-std groups {m['zero_std_group_frac']:.2f}  loss {m['train/loss']:+.4f}"
+        f"  grad {m['train/grad_norm']:.3f}  v{int(m['weight_version'])}  {seconds:.1f}s"
+    )
+
+
+@flow(name="sluiceway-rl", log_prints=False)
+def rl_flow(config: dict) -> dict:
+    """Run `config` (a RunConfig as a dict: no secrets are in it) from its last checkpoint to the end."""
+    cfg = RunConfig.model_validate(config)
+    rt = runtime.Runtime.create(cfg)
+    runtime.register(rt)
+    history = []
+    try:
+        start = rt.resume()
+        total = cfg.rollout.num_rollout
+        for step in range(start, total):
+            t0 = time.perf_counter()
+            roll = rollout_task(cfg.run_id, step)
+            rew = reward_task(cfg.run_id, step)
+            m = train_task(cfg.run_id, step)
+            sync_task(cfg.run_id, step)
+            m.update({"time/step_s": time.perf_counter() - t0, "time/rollout_s": roll["gen_time_s"],
+                      "rollout/groups_skipped": float(roll["groups_skipped"]),
+                      "reward/errors": float(rew["errors"])})
+            append_metrics(rt.store, cfg.run_id, step, m, tag="train")
+            history.append(m)
+            if not cfg.logging.quiet:
+                print(format_step(step, total, m, m["time/step_s"]), flush=True)
+    finally:
+        runtime.unregister(cfg.run_id)
+    return {"run_id": cfg.run_id, "steps": len(history), "tables": cfg.tables_uri,
+            "final_weight_version": rt.trainer.weight_version}

@@ -1,0 +1,28 @@
+"""Entry point behind `sluiceway run`: configure embedded Prefect inside the run directory, then run the flow."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from sluiceway.flows.config import RunConfig
+from sluiceway.infra.prefect_env import configure_prefect
+
+
+def run(cfg: RunConfig) -> dict:
+    configure_prefect(cfg.storage.output_dir)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is fetched from a hub at run time
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    logging.basicConfig(level=cfg.logging.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from sluiceway.flows.rl import rl_flow  # imported after Prefect's settings are in the environment
+    from sluiceway.flows.runtime import prepare
+
+    # Everything a user can get wrong (data files, scorer, model name, prompt lengths) is checked here,
+    # before the flow starts, so a mistake is one line rather than a failed flow run.
+    prepare(cfg)
+
+    result = rl_flow(cfg.model_dump(mode="json"))
+    if not cfg.logging.quiet:
+        print(f"done: {result['steps']} steps, weight version {result['final_weight_version']}, "
+              f"tables at {result['tables']}")
+    return result

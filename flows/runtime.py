@@ -1,0 +1,171 @@
+"""What a run holds in memory between stages: store, tokenizer, prompts, sampler, trainer, scorer.
+
+Prefect task parameters must stay small and JSON-able (DESIGN.md), so tasks receive (run_id, step) and
+find the live objects here. Everything durable -- data, trajectories, rewards, metrics, checkpoints --
+is in the tables or the run directory, which is what a restarted run resumes from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sluiceway.flows.config import RunConfig
+from sluiceway.flows.errors import UserError
+from sluiceway.models.chat import encode_prompt, render_prompt
+from sluiceway.models.zoo import load_hf_model, load_tokenizer, resolve_checkpoint
+from sluiceway.storage.datasets import import_prompts, import_records, load_prompts
+from sluiceway.storage.object_store import ObjectStore
+from sluiceway.tasks.environments import generate_env
+from sluiceway.tasks.reward.scorers import get_scorer
+from sluiceway.tasks.rollout.rollout import PromptItem
+from sluiceway.tasks.rollout.sampler import Sampler, SamplingParams
+from sluiceway.tasks.train.trainer import PolicyTrainer
+
+log = logging.getLogger("sluiceway")
+
+
+def dataset_table_name(prompt_data: str, env_size: int, seed: int) -> str:
+    """One table per distinct source: a file's name plus a hash of its bytes, or the environment spec."""
+    if prompt_data.startswith("env:"):
+        return "datasets/" + prompt_data[4:].replace(":", "-") + f"-n{env_size}-s{seed}"
+    p = Path(prompt_data)
+    if not p.is_file():
+        raise UserError(f"--prompt-data {prompt_data}: file not found")
+    digest = hashlib.sha256(p.read_bytes()).hexdigest()[:12]
+    return f"datasets/{p.stem}-{digest}"
+
+
+def load_dataset(cfg: RunConfig, store: ObjectStore, prompt_data: str, size: int) -> list[dict]:
+    d = cfg.data
+    name = dataset_table_name(prompt_data, size, cfg.training.seed)
+    if prompt_data.startswith("env:"):
+        records = generate_env(prompt_data, size, cfg.training.seed)
+        import_records(records, store, name, source=prompt_data, input_key="input", label_key="label",
+                       metadata_key="metadata")
+    else:
+        import_prompts(prompt_data, store, name, input_key=d.input_key, label_key=d.label_key,
+                       metadata_key=d.metadata_key)
+    return load_prompts(store, name)
+
+
+def render_items(cfg: RunConfig, tokenizer, rows: list[dict]) -> list[PromptItem]:
+    items = []
+    for row in rows:
+        prompt = row["messages"] if row.get("messages") else row["prompt"]
+        text = render_prompt(tokenizer, prompt, cfg.data.apply_chat_template, cfg.data.system_prompt)
+        ids = encode_prompt(tokenizer, text)
+        if len(ids) > cfg.rollout.rollout_max_prompt_len:
+            raise UserError(
+                f"prompt {row['prompt_id']}: {len(ids)} tokens exceeds --rollout-max-prompt-len "
+                f"{cfg.rollout.rollout_max_prompt_len}"
+            )
+        items.append(PromptItem(row["prompt_id"], text, ids, row.get("label"), row.get("metadata") or {}))
+    return items
+
+
+def stop_token_ids(tokenizer, hf_dir: Path) -> list[int]:
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    try:
+        eos = GenerationConfig.from_pretrained(hf_dir, local_files_only=True).eos_token_id
+        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    except OSError:
+        pass
+    return sorted(ids)
+
+
+@dataclass
+class Prepared:
+    """The cheap half of a run's set-up: everything a user's input can be wrong about, checked up front."""
+
+    store: ObjectStore
+    hf_dir: Path
+    tokenizer: object
+    prompts: list[PromptItem]
+    scorer: object
+    sampling: SamplingParams
+
+
+def prepare(cfg: RunConfig) -> Prepared:
+    if cfg.resources.num_threads:
+        torch.set_num_threads(cfg.resources.num_threads)
+    store = ObjectStore.from_uri(cfg.tables_uri, cfg.storage.s3_endpoint_url, cfg.storage.s3_region)
+    scorer = get_scorer(cfg.reward.rm_type, cfg.reward.custom_rm_path)
+    rows = load_dataset(cfg, store, cfg.data.prompt_data, cfg.data.env_size)
+    if len(rows) == 0:
+        raise UserError(f"--prompt-data {cfg.data.prompt_data}: no prompts")
+    hf_dir = resolve_checkpoint(cfg.training.hf_checkpoint)
+    tokenizer = load_tokenizer(hf_dir)
+    prompts = render_items(cfg, tokenizer, rows)
+    sampling = SamplingParams(
+        max_new_tokens=cfg.rollout.rollout_max_response_len, temperature=cfg.rollout.rollout_temperature,
+        top_p=cfg.rollout.rollout_top_p, stop_token_ids=stop_token_ids(tokenizer, hf_dir),
+    )
+    return Prepared(store, hf_dir, tokenizer, prompts, scorer, sampling)
+
+
+@dataclass
+class Runtime:
+    cfg: RunConfig
+    run_dir: Path
+    prep: Prepared
+    sampler: Sampler
+    trainer: PolicyTrainer
+
+    # Shortcuts used by the stages.
+    store = property(lambda self: self.prep.store)
+    prompts = property(lambda self: self.prep.prompts)
+    scorer = property(lambda self: self.prep.scorer)
+    sampling = property(lambda self: self.prep.sampling)
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.run_dir / "checkpoints" / "latest.pt"
+
+    @classmethod
+    def create(cls, cfg: RunConfig, prep: Prepared | None = None) -> Runtime:
+        run_dir = Path(cfg.storage.output_dir).resolve()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        prep = prep or prepare(cfg)
+        tok = prep.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        sampler = Sampler(load_hf_model(prep.hf_dir), pad, torch.bfloat16 if cfg.training.bf16 else None)
+        trainer = PolicyTrainer(prep.hf_dir, cfg.training, cfg.algorithm, cfg.rollout.rollout_temperature, pad)
+        return cls(cfg, run_dir, prep, sampler, trainer)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.prep.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def resume(self) -> int:
+        """Load the latest checkpoint, if any; return the first step still to train."""
+        if not self.checkpoint_path.exists():
+            return 0
+        step = self.trainer.load(self.checkpoint_path)
+        self.sampler.update_weights(self.trainer.hf_state_dict(), self.trainer.weight_version)
+        log.info("resumed from %s (step %d, weight version %d)", self.checkpoint_path, step,
+                 self.trainer.weight_version)
+        return step + 1
+
+
+_RUNTIMES: dict[str, Runtime] = {}
+
+
+def register(rt: Runtime) -> None:
+    _RUNTIMES[rt.cfg.run_id] = rt
+
+
+def unregister(run_id: str) -> None:
+    _RUNTIMES.pop(run_id, None)
+
+
+def get(run_id: str) -> Runtime:
+    try:
+        return _RUNTIMES[run_id]
+    except KeyError:
+        raise RuntimeError(f"run {run_id} has no live runtime in this process") from None

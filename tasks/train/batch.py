@@ -1,0 +1,45 @@
+"""From a step's scored trajectories to training samples with advantages."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import torch
+
+from sluiceway.tasks.train.advantages import group_advantages
+from sluiceway.tasks.train.trainer import TrainSample
+
+
+def build_train_samples(table: pa.Table, estimator: str, normalize_by_std: bool) -> list[TrainSample]:
+    rows = table.to_pylist()
+    missing = [(r["group_id"], r["sample_index"]) for r in rows if r["reward"] is None]
+    if missing:
+        raise RuntimeError(f"{len(missing)} trajectories have no reward yet, e.g. (group, sample) {missing[0]}")
+    rewards = torch.tensor([r["reward"] for r in rows])
+    groups = torch.tensor([r["group_id"] for r in rows])
+    adv = group_advantages(rewards, groups, estimator, normalize_by_std)
+    return [
+        TrainSample(
+            prompt_ids=r["prompt_token_ids"], response_ids=r["response_token_ids"], loss_mask=r["loss_mask"],
+            advantage=float(a), rollout_logprobs=r["rollout_logprobs"],
+        )
+        for r, a in zip(rows, adv.tolist())
+        if r["response_token_ids"]  # an empty response has no token to train on
+    ]
+
+
+def rollout_metrics(table: pa.Table) -> dict[str, float]:
+    rows = table.to_pylist()
+    rewards = [r["reward"] for r in rows]
+    lengths = [len(r["response_token_ids"]) for r in rows]
+    by_group: dict[int, list[float]] = {}
+    for r in rows:
+        by_group.setdefault(r["group_id"], []).append(r["reward"])
+    n = max(len(rows), 1)
+    return {
+        "reward_mean": sum(rewards) / n,
+        "response_len_mean": sum(lengths) / n,
+        "truncated_frac": sum(r["status"] == "truncated" for r in rows) / n,
+        # Groups whose samples all got the same reward carry no GRPO signal.
+        "zero_std_group_frac": sum(len(set(v)) == 1 for v in by_group.values()) / max(len(by_group), 1),
+        "samples": float(len(rows)),
+    }

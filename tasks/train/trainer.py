@@ -1,0 +1,174 @@
+"""The policy trainer: a megatron-core GPTModel built from HF weights, trained with a PPO-clip objective.
+
+On CPU megatron's own DDP/optimizer are CUDA-only (DESIGN.md), so the optimizer is torch's AdamW over fp32
+master weights, optionally under bf16 autocast. Weights leave the trainer in HF names for the sampler.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
+from sluiceway.models.hf_megatron import load_hf_weights, megatron_to_hf
+from sluiceway.models.megatron_gpt import build_gpt_model, init_parallel_state, token_logprobs_and_entropy
+from sluiceway.models.zoo import load_hf_state_dict
+from sluiceway.tasks.train.losses import aggregate, kl_penalty, ppo_clip_loss
+
+
+@dataclass
+class TrainSample:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]  # per response token
+    advantage: float
+    rollout_logprobs: list[float]  # per response token, from the sampler
+
+
+@dataclass
+class _MicroBatch:
+    input_ids: torch.Tensor  # [b, s] right-padded
+    mask: torch.Tensor  # [b, s-1] 1 where the token at t+1 is a trained response token
+    advantages: torch.Tensor  # [b, s-1]
+    rollout_logp: torch.Tensor  # [b, s-1]
+
+
+def collate(samples: list[TrainSample], pad_id: int) -> _MicroBatch:
+    width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    b = len(samples)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((b, width - 1))
+    adv = torch.zeros((b, width - 1))
+    rlp = torch.zeros((b, width - 1))
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
+        # logprob index t predicts token t+1: response token j sits at position p+j, predicted at p+j-1.
+        mask[i, p - 1 : p - 1 + r] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        adv[i, p - 1 : p - 1 + r] = s.advantage
+        rlp[i, p - 1 : p - 1 + r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+    return _MicroBatch(ids, mask, adv, rlp)
+
+
+class PolicyTrainer:
+    def __init__(
+        self, hf_dir: str | Path, training: TrainingConfig, algorithm: AlgorithmConfig, temperature: float,
+        pad_token_id: int,
+    ):
+        self.training, self.algorithm, self.temperature = training, algorithm, temperature
+        self.pad_token_id = pad_token_id
+        self.hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+        init_parallel_state()
+        torch.manual_seed(training.seed)
+        self.model = build_gpt_model(self.hf_config)
+        load_hf_weights(self.model, load_hf_state_dict(hf_dir), self.hf_config)
+        self.ref_model = None
+        if algorithm.use_kl_loss:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=training.lr, weight_decay=training.weight_decay,
+            betas=(training.adam_beta1, training.adam_beta2),
+        )
+        self.weight_version = 0
+
+    def _autocast(self):
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.training.bf16)
+
+    def _logprobs(self, model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._autocast():
+            return token_logprobs_and_entropy(model, ids, temperature=self.temperature)
+
+    def train_rollout(self, samples: list[TrainSample], step: int) -> dict[str, float]:
+        """num_steps_per_rollout optimizer steps over one rollout's samples; returns averaged metrics."""
+        t, a = self.training, self.algorithm
+        order = list(range(len(samples)))
+        random.Random(t.seed * 1_000_003 + step).shuffle(order)
+        samples = [samples[i] for i in order]
+        mbs = t.micro_batch_size
+        batches = [collate(samples[i : i + mbs], self.pad_token_id) for i in range(0, len(samples), mbs)]
+        # With one optimizer step per rollout the policy is unchanged until the step, so the old log-probs
+        # are the current ones, detached (ratio = 1 exactly). Otherwise compute them once, up front.
+        old_logps = None
+        if t.num_steps_per_rollout > 1:
+            with torch.no_grad():
+                old_logps = [self._logprobs(self.model, mb.input_ids)[0] for mb in batches]
+        per_step = t.global_batch_size // mbs
+        metrics: dict[str, list[float]] = {}
+        for opt_step in range(t.num_steps_per_rollout):
+            chunk = range(opt_step * per_step, (opt_step + 1) * per_step)
+            step_metrics = self._optimizer_step([batches[i] for i in chunk], [old_logps[i] for i in chunk] if old_logps else None)
+            for k, v in step_metrics.items():
+                metrics.setdefault(k, []).append(v)
+        self.weight_version += 1
+        return {k: sum(v) / len(v) for k, v in metrics.items()}
+
+    def _optimizer_step(self, batches: list[_MicroBatch], old_logps: list[torch.Tensor] | None) -> dict[str, float]:
+        a = self.algorithm
+        eps_high = a.eps_clip_high if a.eps_clip_high is not None else a.eps_clip
+        n_tokens = float(sum(mb.mask.sum() for mb in batches))
+        denom = n_tokens if a.loss_agg_mode == "token_mean" else float(sum(mb.mask.shape[0] for mb in batches))
+        self.model.train()
+        sums = dict(loss=0.0, pg_loss=0.0, kl=0.0, entropy=0.0, clipfrac=0.0, ratio=0.0, logprob_mismatch=0.0)
+        for i, mb in enumerate(batches):
+            logp, entropy = self._logprobs(self.model, mb.input_ids)
+            old = old_logps[i] if old_logps is not None else logp.detach()
+            pg, clipped = ppo_clip_loss(logp, old, mb.advantages, a.eps_clip, eps_high)
+            loss = aggregate(pg, mb.mask, a.loss_agg_mode, denom)
+            sums["pg_loss"] += loss.item()
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref_logp = self._logprobs(self.ref_model, mb.input_ids)[0]
+                kl = aggregate(kl_penalty(logp, ref_logp, a.kl_loss_type), mb.mask, a.loss_agg_mode, denom)
+                loss = loss + a.kl_loss_coef * kl
+                sums["kl"] += kl.item()
+            ent = aggregate(entropy, mb.mask, a.loss_agg_mode, denom)
+            if a.entropy_coef:
+                loss = loss - a.entropy_coef * ent
+            loss.backward()
+            sums["loss"] += loss.item()
+            sums["entropy"] += ent.item()
+            # Token-averaged diagnostics over the whole optimizer step.
+            m = mb.mask
+            sums["clipfrac"] += float((clipped * m).sum()) / max(n_tokens, 1.0)
+            sums["ratio"] += float((torch.exp(logp.detach() - old) * m).sum()) / max(n_tokens, 1.0)
+            sums["logprob_mismatch"] += float(((logp.detach() - mb.rollout_logp).abs() * m).sum()) / max(n_tokens, 1.0)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.training.clip_grad > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.training.clip_grad)
+        else:
+            grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums["grad_norm"] = float(grad_norm)
+        sums["tokens"] = n_tokens
+        if not math.isfinite(sums["loss"]):
+            raise FloatingPointError(f"non-finite loss {sums['loss']} at weight version {self.weight_version}")
+        return sums
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return megatron_to_hf(self.model.state_dict(), self.hf_config)
+
+    def save(self, path: str | Path, step: int) -> None:
+        """Local checkpoint: model, optimizer and version, written atomically."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        state = {
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "weight_version": self.weight_version, "step": step,
+        }
+        torch.save(state, tmp)
+        tmp.replace(path)
+
+    def load(self, path: str | Path) -> int:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.weight_version = state["weight_version"]
+        return state["step"]

@@ -1,0 +1,111 @@
+"""Config loading, flag overrides, invariants, and one-line errors from the real `sluiceway` command."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sluiceway.flows.cli import field_flags, make_parser, resolve_config
+from sluiceway.flows.errors import UserError
+
+SLIME_FLAGS = (
+    "--prompt-data --input-key --label-key --metadata-key --apply-chat-template --rollout-batch-size "
+    "--n-samples-per-prompt --global-batch-size --num-steps-per-rollout --num-rollout --rollout-max-response-len "
+    "--rollout-temperature --rollout-top-p --advantage-estimator --use-kl-loss --kl-loss-coef --eps-clip --lr "
+    "--hf-checkpoint --rm-type --custom-rm-path --save-interval --eval-interval --seed --output-dir --storage-uri"
+).split()
+
+
+def cfg_from(argv):
+    return resolve_config(make_parser().parse_args(argv))
+
+
+def test_every_slime_flag_exists():
+    flags = field_flags()
+    assert [f for f in SLIME_FLAGS if f not in flags] == []
+
+
+def test_yaml_then_flags_override(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text(yaml.safe_dump({"data": {"prompt_data": "env:arithmetic"}, "rollout": {"num_rollout": 3},
+                                 "training": {"lr": 1e-5}}))
+    cfg = cfg_from(["run", str(f), "--lr", "2e-6", "--apply-chat-template", "--rollout-temperature", "0.9"])
+    assert cfg.rollout.num_rollout == 3
+    assert cfg.training.lr == 2e-6
+    assert cfg.data.apply_chat_template is True
+    assert cfg.rollout.rollout_temperature == 0.9
+    assert cfg.run_id == Path(cfg.storage.output_dir).resolve().name
+
+
+def test_batch_invariant_is_checked():
+    with pytest.raises(UserError, match=r"rollout_batch_size x n_samples_per_prompt \(3 x 8 = 24\)"):
+        cfg_from(["run", "--prompt-data", "env:arithmetic", "--rollout-batch-size", "3"])
+
+
+def test_unknown_yaml_key_names_the_field(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("rollout:\n  rollout_batch_sise: 4\n")
+    with pytest.raises(UserError, match="rollout.rollout_batch_sise"):
+        cfg_from(["run", str(f), "--prompt-data", "env:arithmetic"])
+
+
+def test_bad_yaml_names_the_line(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("rollout:\n  num_rollout: 3\n bad: [\n")
+    with pytest.raises(UserError, match=r"run.yaml:\d+: invalid YAML"):
+        cfg_from(["run", str(f)])
+
+
+def test_wrong_type_names_the_flag():
+    with pytest.raises(UserError, match=r"--rollout-temperature"):
+        cfg_from(["run", "--prompt-data", "env:arithmetic", "--rollout-temperature", "warm"])
+
+
+def sluiceway(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "sluiceway.flows.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
+def assert_one_line_error(proc, *needles):
+    assert proc.returncode != 0
+    err = proc.stderr.strip()
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    assert len(err.splitlines()) == 1, err
+    for n in needles:
+        assert n in err, err
+
+
+@pytest.fixture
+def run_args(tmp_path):
+    return ["--output-dir", str(tmp_path / "run"), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+            "--global-batch-size", "4", "--micro-batch-size", "4", "--num-rollout", "1"]
+
+
+def test_cli_violated_invariant(tmp_path, run_args):
+    proc = sluiceway("run", "--prompt-data", "env:arithmetic", *run_args, "--global-batch-size", "8", cwd=tmp_path)
+    assert_one_line_error(proc, "global_batch_size")
+
+
+def test_cli_unknown_flag(tmp_path):
+    assert_one_line_error(sluiceway("run", "--rollout-batch-sise", "4", cwd=tmp_path), "--rollout-batch-sise")
+
+
+def test_cli_missing_data_file(tmp_path, run_args):
+    proc = sluiceway("run", "--prompt-data", "nope.jsonl", *run_args, cwd=tmp_path)
+    assert_one_line_error(proc, "nope.jsonl", "not found")
+
+
+def test_cli_malformed_jsonl_line(tmp_path, run_args):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"input": "1+1?", "label": "2"}\n{"input": "2+2?", "label": \n')
+    proc = sluiceway("run", "--prompt-data", str(data), *run_args, cwd=tmp_path)
+    assert_one_line_error(proc, "prompts.jsonl", ":2")
+
+
+def test_cli_missing_label_key(tmp_path, run_args):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"input": "1+1?", "label": "2"}\n{"input": "2+2?", "answer": "4"}\n')
+    proc = sluiceway("run", "--prompt-data", str(data), *run_args, cwd=tmp_path)
+    assert_one_line_error(proc, "prompts.jsonl", ":2", "label")
