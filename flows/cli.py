@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "models":
             from sluiceway.models.zoo import ZOO
 
-            for name, desc in ZOO.items():
-                print(f"{name:24s} {desc}")
+            for name, entry in ZOO.items():
+                print(f"{name:24s} {entry.description}")
             return 0
         cfg = resolve_config(args)
         if args.command == "config":

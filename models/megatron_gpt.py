@@ -1,0 +1,448 @@
+"""Megatron-core GPTModel for HF Llama-family checkpoints, usable on CPU and CUDA.
+
+megatron-core's stock local spec uses `DotProductAttention` (a CUDA memory buffer and CUDA RNG forks) and its
+RoPE moves `inv_freq` to CUDA on first use; both are replaced here so the same model trains on CPU (gloo, for
+tests and the one-machine path) and on GPUs. Weight mapping lives in `hf_megatron.py`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+with warnings.catch_warnings():
+    # megatron warns at import that Apex / Transformer Engine are absent; that is the expected CPU setup.
+    warnings.filterwarnings(
+        "ignore", message=r".*(Apex|Transformer Engine).*not installed", category=UserWarning
+    )
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+__all__ = [
+    "SDPACoreAttention",
+    "build_gpt_model",
+    "cpu_layer_spec",
+    "gpt_logits",
+    "init_parallel_state",
+    "rope_theta_from_hf",
+    "token_logprobs",
+    "token_logprobs_and_entropy",
+    "transformer_config_from_hf",
+]
+
+DEFAULT_SEED = 1234
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Process groups
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_parallel_state(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    backend: str | None = None,
+    seed: int = DEFAULT_SEED,
+) -> None:
+    """Initialise torch.distributed, megatron's model-parallel groups and its RNG tracker. Idempotent.
+
+    Under torchrun (RANK/WORLD_SIZE in the environment) the env:// rendezvous is used; a plain single process
+    gets a world of one on a free loopback port, so scripts and tests need no launcher.
+    """
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not torch.distributed.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.distributed.init_process_group(backend=backend, init_method="env://")
+        else:
+            torch.distributed.init_process_group(
+                backend=backend,
+                init_method=f"tcp://127.0.0.1:{_free_port()}",
+                world_size=1,
+                rank=0,
+            )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
+        )
+    else:
+        have = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        )
+        if have != (tensor_model_parallel_size, pipeline_model_parallel_size):
+            raise RuntimeError(
+                f"megatron parallel state already initialised with (tp, pp)={have}, "
+                f"asked for ({tensor_model_parallel_size}, {pipeline_model_parallel_size})"
+            )
+    _seed_rng_tracker(seed, cuda=backend == "nccl" or torch.cuda.is_available())
+
+
+def _seed_rng_tracker(seed: int, cuda: bool) -> None:
+    """Seed megatron's RNG tracker (used for dropout forks under TP) in a way that works without CUDA.
+
+    `model_parallel_cuda_manual_seed` calls torch.cuda.*; on CPU we install megatron's inference tracker, whose
+    `fork()` is a no-op, so dropout there draws from torch's CPU generator (seeded per TP rank).
+    """
+    if cuda:
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        if mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME not in tracker.get_states():
+            tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        return
+    if not mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED:
+        mcore_random.initialize_rng_tracker(inference_rng_tracker=True)
+        torch.manual_seed(seed + parallel_state.get_tensor_model_parallel_rank())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------------------------
+
+
+def rope_theta_from_hf(hf_config: Any) -> float:
+    """HF 5.x keeps rope settings in `rope_parameters`; 4.x used `rope_theta` / `rope_scaling`."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    return float(theta if theta is not None else 10000.0)
+
+
+def _rope_scaling_from_hf(hf_config: Any) -> tuple[bool, float]:
+    """Map HF rope types onto GPTModel's (rope_scaling, rope_scaling_factor); refuse what it cannot express."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type == "default":
+        return False, 8.0
+    if rope_type == "llama3":
+        # megatron hard-codes low=1, high=4, original=8192 (Llama 3.1's values).
+        expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        for key, want in expected.items():
+            if key in params and float(params[key]) != want:
+                raise NotImplementedError(f"rope_parameters.{key}={params[key]} (GPTModel supports {want})")
+        return True, float(params.get("factor", 8.0))
+    raise NotImplementedError(f"rope_type={rope_type!r} is not supported by the Megatron mapping")
+
+
+def _head_dim(hf_config: Any) -> int:
+    head_dim = getattr(hf_config, "head_dim", None)
+    return int(head_dim) if head_dim else hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def _qkv_bias(hf_config: Any) -> bool:
+    """Qwen2 has q/k/v biases and no o_proj bias; Llama's `attention_bias` also biases o_proj (unsupported)."""
+    if getattr(hf_config, "model_type", "") == "qwen2":
+        return True
+    if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
+        raise NotImplementedError("Llama attention_bias / mlp_bias are not supported by the Megatron mapping")
+    return False
+
+
+def transformer_config_from_hf(
+    hf_config: Any, dtype: torch.dtype = torch.float32, **overrides: Any
+) -> TransformerConfig:
+    """TransformerConfig for an HF LlamaConfig / Qwen2Config. `overrides` set any other TransformerConfig field."""
+    model_type = getattr(hf_config, "model_type", "llama")
+    if model_type not in ("llama", "qwen2"):
+        raise NotImplementedError(f"model_type={model_type!r}: only llama and qwen2 map to GPTModel here")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise NotImplementedError(f"hidden_act={hf_config.hidden_act!r} (expected silu for SwiGLU)")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise NotImplementedError("Qwen2 sliding-window attention is not supported")
+    tp = (
+        parallel_state.get_tensor_model_parallel_world_size()
+        if parallel_state.model_parallel_is_initialized()
+        else 1
+    )
+    pp = (
+        parallel_state.get_pipeline_model_parallel_world_size()
+        if parallel_state.model_parallel_is_initialized()
+        else 1
+    )
+    kwargs: dict[str, Any] = {
+        "num_layers": hf_config.num_hidden_layers,
+        "hidden_size": hf_config.hidden_size,
+        "num_attention_heads": hf_config.num_attention_heads,
+        "num_query_groups": getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+        "kv_channels": _head_dim(hf_config),
+        "ffn_hidden_size": hf_config.intermediate_size,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": float(hf_config.rms_norm_eps),
+        "gated_linear_unit": True,
+        "activation_func": F.silu,
+        "add_bias_linear": False,
+        "add_qkv_bias": _qkv_bias(hf_config),
+        # RL needs deterministic log-probs: no hidden dropout; attention dropout as the checkpoint says (0).
+        "hidden_dropout": 0.0,
+        "attention_dropout": float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
+        "init_method_std": float(getattr(hf_config, "initializer_range", 0.02)),
+        # Fusions need CUDA kernels (apex / TE); the unfused paths are exact and run everywhere.
+        "bias_activation_fusion": False,
+        "bias_dropout_fusion": False,
+        "masked_softmax_fusion": False,
+        "persist_layer_norm": False,
+        "apply_rope_fusion": False,
+        "gradient_accumulation_fusion": False,
+        "params_dtype": dtype,
+        "pipeline_dtype": dtype,
+        "bf16": dtype == torch.bfloat16,
+        "fp16": dtype == torch.float16,
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": pp,
+        "sequence_parallel": False,
+        "use_cpu_initialization": True,
+        # Weights come from the HF checkpoint; skip megatron's (slow, RNG-tracker-bound) init.
+        "perform_initialization": False,
+    }
+    kwargs.update(overrides)
+    with warnings.catch_warnings():
+        # 0.16.1's default cuda_graph_scope trips its own deprecation warning; CUDA graphs are unused here.
+        warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
+        return TransformerConfig(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Layer spec: SDPA core attention
+# --------------------------------------------------------------------------------------------------------------
+
+
+class SDPACoreAttention(MegatronModule):
+    """`core_attention` for megatron's SelfAttention built on `F.scaled_dot_product_attention`.
+
+    Inputs are megatron's [s, b, heads, head_dim] (query: heads of this TP rank, key/value: KV groups of this
+    rank); the output is [s, b, heads * head_dim]. Works on CPU (math/flash kernels) and CUDA.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise NotImplementedError("SDPACoreAttention does not support context parallelism")
+        if config.softmax_type != "vanilla":
+            raise NotImplementedError(f"softmax_type={config.softmax_type!r}")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        head_dim = config.kv_channels
+        self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+        # apply_query_key_layer_scaling only rescales inside megatron's softmax (a no-op mathematically): ignored.
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> Tensor:
+        if packed_seq_params is not None:
+            raise NotImplementedError(
+                "packed sequences need TE attention; SDPACoreAttention takes [s, b, h, d]"
+            )
+        if attention_bias is not None:
+            raise NotImplementedError("attention_bias is not supported by SDPACoreAttention")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        sq, b, nh, hd = query.shape
+        # [s, b, h, d] -> [b, h, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if k.size(1) != nh:
+            # GQA: query head i uses KV group i // (nh / ng) -- megatron's and HF's grouping alike.
+            rep = nh // k.size(1)
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        sk = k.size(2)
+        attn_mask = None
+        if attention_mask is not None or (causal and sq != sk):
+            # Explicit boolean mask (True = may attend). megatron masks are True where attention is *forbidden*;
+            # SDPA's is_causal aligns top-left, so queries at the end of a longer key (decode) need this too.
+            allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+            if causal:
+                allowed = allowed.tril(sk - sq)
+            if attention_mask is not None:
+                allowed = allowed & ~attention_mask.bool()
+            attn_mask, causal = allowed, False
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            is_causal=causal,
+            scale=self.softmax_scale,
+        )
+        # [b, h, s, d] -> [s, b, h * d]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, nh * hd)
+
+
+def cpu_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
+    """megatron's local (no Transformer Engine) GPT layer spec with RMSNorm and SDPA core attention."""
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------------------------
+
+
+class _DeviceLocalRotaryEmbedding(RotaryEmbedding):
+    """RotaryEmbedding whose frequencies stay on the device they were put on (stock one forces CUDA)."""
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> Tensor:
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if not self.rotary_interleaved:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        else:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+        return emb[:, None, None, :]
+
+
+def build_gpt_model(
+    hf_config: Any,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    layer_spec: ModuleSpec | None = None,
+    **config_overrides: Any,
+) -> GPTModel:
+    """A GPTModel shaped like the HF Llama/Qwen2 config (weights uninitialised: load them with hf_megatron).
+
+    Needs `init_parallel_state()` first. With TP>1 the output layer stays vocab-parallel (parallel_output=True):
+    use `token_logprobs`, which reduces across the TP group.
+    """
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("call init_parallel_state() before build_gpt_model()")
+    device = torch.device(device)
+    config = transformer_config_from_hf(hf_config, dtype=dtype, **config_overrides)
+    rope_scaling, rope_factor = _rope_scaling_from_hf(hf_config)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if hf_config.vocab_size % tp:
+        raise ValueError(
+            f"vocab_size={hf_config.vocab_size} is not divisible by tensor_model_parallel_size={tp}"
+        )
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec if layer_spec is not None else cpu_layer_spec(),
+        vocab_size=hf_config.vocab_size,
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp_size - 1,
+        parallel_output=True,
+        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=rope_theta_from_hf(hf_config),
+        rope_scaling=rope_scaling,
+        rope_scaling_factor=rope_factor,
+    )
+    # inv_freq is a plain attribute (not a buffer): .to() does not move it, so place it ourselves.
+    rope = model.rotary_pos_emb
+    rope.__class__ = _DeviceLocalRotaryEmbedding
+    rope.inv_freq = rope.inv_freq.to(device)
+    return model.to(device)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Log-probs
+# --------------------------------------------------------------------------------------------------------------
+
+
+def gpt_logits(model: GPTModel, input_ids: Tensor) -> Tensor:
+    """Logits [b, s, vocab / tp] (this rank's vocab shard under TP), causal, no padding mask needed."""
+    b, s = input_ids.shape
+    position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
+    return model(input_ids, position_ids, attention_mask=None)
+
+
+def _shifted_logprobs(
+    logits: Tensor, input_ids: Tensor, temperature: float, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """log p(input_ids[:, t+1]) and entropy at t from (possibly vocab-parallel) logits [b, s, v_local]."""
+    logits = logits[:, :-1].float() / temperature
+    targets = input_ids[:, 1:]
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        logp_all = torch.log_softmax(logits, dim=-1)
+        logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+        return logp, entropy
+    # Vocab-parallel: each rank holds a slice of the vocab. Per-rank partial sums are all-reduced with megatron's
+    # mapping (all-reduce forward, identity backward) and only combined *after* the reduction. That keeps the
+    # identity backward exact: a reduced value fed back into rank-local terms would miss the other ranks'
+    # gradient contributions. The max is a detached stabiliser (the results do not depend on it).
+    group = parallel_state.get_tensor_model_parallel_group()
+    v_local = logits.size(-1)
+    start = parallel_state.get_tensor_model_parallel_rank() * v_local
+    m = logits.detach().amax(-1)
+    torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
+    shifted = logits - m.unsqueeze(-1)
+    exp = shifted.exp()
+    sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(-1))
+    local = targets - start
+    in_shard = (local >= 0) & (local < v_local)
+    tgt = shifted.gather(-1, local.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1) * in_shard
+    log_z = sum_exp.log()
+    logp = reduce_from_tensor_model_parallel_region(tgt) - log_z
+    entropy = None
+    if with_entropy:
+        # H = log Z - sum_i exp(s_i) s_i / Z
+        weighted = reduce_from_tensor_model_parallel_region((exp * shifted).sum(-1))
+        entropy = log_z - weighted / sum_exp
+    return logp, entropy
+
+
+def token_logprobs(model: GPTModel, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
+    """log p(input_ids[:, t+1] | input_ids[:, :t+1]) as fp32 [b, s-1], from logits / temperature.
+
+    Right padding is harmless: causal attention keeps valid positions independent of later pad tokens, so
+    callers mask out the pad positions of the result. Differentiable (use under no_grad for inference).
+    """
+    logp, _ = _shifted_logprobs(gpt_logits(model, input_ids), input_ids, temperature, with_entropy=False)
+    return logp
+
+
+def token_logprobs_and_entropy(
+    model: GPTModel, input_ids: Tensor, temperature: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """(log-probs [b, s-1], entropy [b, s-1]) of the next-token distribution at logits / temperature, fp32."""
+    logp, entropy = _shifted_logprobs(gpt_logits(model, input_ids), input_ids, temperature, with_entropy=True)
+    assert entropy is not None
+    return logp, entropy

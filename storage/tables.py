@@ -1,0 +1,141 @@
+"""Generic Delta Lake helpers on an :class:`~sluiceway.storage.object_store.ObjectStore`.
+
+The one non-obvious piece is :func:`append_idempotent`. A Prefect task that is retried after its write
+committed (the worker died before recording success) would otherwise append the same rows twice. Delta has
+"application transactions" for exactly this: a commit may carry ``(app_id, version)`` and the table remembers
+the latest version per app_id. We write every batch with a unique app_id and check it before appending.
+deltalake does not skip such a commit by itself, so the check is explicit; two writers racing with the same
+app_id are caught by Delta's conflict checker (concurrent transaction) rather than both landing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+from sluiceway.storage.object_store import ObjectStore
+
+# The version we record for an app_id: we only ever ask "has this batch been written", so 1 means "yes".
+_WRITTEN = 1
+
+
+def table_exists(store: ObjectStore, name: str) -> bool:
+    with store.redacting():
+        return DeltaTable.is_deltatable(store.table_uri(name), storage_options=store.storage_options)
+
+
+def open_table(store: ObjectStore, name: str, version: int | None = None) -> DeltaTable:
+    """The Delta table ``name`` (at ``version`` for time travel); raises deltalake's TableNotFoundError if absent."""
+    with store.redacting():
+        return DeltaTable(store.table_uri(name), version=version, storage_options=store.storage_options)
+
+
+def table_version(store: ObjectStore, name: str) -> int | None:
+    """The latest committed version of ``name``, or None when the table does not exist yet."""
+    if not table_exists(store, name):
+        return None
+    return open_table(store, name).version()
+
+
+def table_schema(dt: DeltaTable) -> pa.Schema:
+    """The table's schema as a pyarrow schema (deltalake 1.x hands out arro3 schemas)."""
+    return pa.schema(dt.schema().to_arrow())
+
+
+def conform(data: pa.Table, schema: pa.Schema, what: str = "data") -> pa.Table:
+    """``data`` with exactly ``schema``'s columns, in order and cast to its types.
+
+    Missing nullable columns become nulls; missing required columns, nulls in required columns and unknown
+    columns are errors (an unknown column is usually a typo, and silently dropping it would lose data).
+    """
+    extra = [n for n in data.column_names if schema.get_field_index(n) < 0]
+    if extra:
+        raise ValueError(f"{what}: unknown columns {extra}; the table has {schema.names}")
+    columns = []
+    for field in schema:
+        if field.name in data.column_names:
+            columns.append(data.column(field.name))
+        elif field.nullable:
+            columns.append(pa.nulls(data.num_rows, field.type))
+        else:
+            raise ValueError(f"{what}: missing required column {field.name!r}")
+    table = pa.Table.from_arrays(columns, names=schema.names)
+    for field in schema:
+        column = table.column(field.name)
+        if not field.nullable and column.null_count:
+            row = pc.index(pc.is_null(column), True).as_py()
+            raise ValueError(f"{what} row {row}: {field.name!r} is null; it is required")
+    try:
+        return table.cast(schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+        for field in schema:  # name the column that does not fit
+            try:
+                table.column(field.name).cast(field.type)
+            except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as col_exc:
+                raise ValueError(
+                    f"{what}: column {field.name!r} does not fit {field.type}: {col_exc}"
+                ) from None
+        raise ValueError(f"{what}: does not fit the table schema: {exc}") from None
+
+
+def append_idempotent(
+    store: ObjectStore,
+    name: str,
+    data: pa.Table,
+    app_id: str,
+    partition_by: list[str] | None = None,
+) -> bool:
+    """Append ``data`` to table ``name`` once per ``app_id``; create the table if it is missing.
+
+    Returns True when this call committed the rows, False when a commit with this ``app_id`` already exists
+    (a retried write). ``data`` is conformed to the existing table's schema; ``partition_by`` only matters
+    when this call creates the table.
+    """
+    if not app_id:
+        raise ValueError("append_idempotent needs a non-empty app_id")
+    uri = store.table_uri(name)
+    commit = CommitProperties(app_transactions=[Transaction(app_id=app_id, version=_WRITTEN)])
+    with store.redacting():
+        if table_exists(store, name):
+            dt = open_table(store, name)
+            if dt.transaction_version(app_id) is not None:
+                return False
+            data = conform(data, table_schema(dt), what=name)
+            write_deltalake(dt, data, mode="append", commit_properties=commit)
+        else:
+            write_deltalake(
+                uri,
+                data,
+                mode="append",
+                partition_by=partition_by,
+                storage_options=store.storage_options,
+                commit_properties=commit,
+            )
+    return True
+
+
+def read_table(
+    store: ObjectStore,
+    name: str,
+    version: int | None = None,
+    filters: Any = None,
+    columns: list[str] | None = None,
+) -> pa.Table:
+    """Table ``name`` (at ``version``) as pyarrow; ``filters`` are DNF tuples like ``[("step", "=", 3)]``.
+
+    Filters on partition columns prune files; others are applied while scanning.
+    """
+    dt = open_table(store, name, version)
+    with store.redacting():
+        return dt.to_pyarrow_table(filters=filters, columns=columns)
+
+
+def sql_literal(value: str | float) -> str:
+    """A value as a SQL literal for deltalake predicates (strings quoted, quotes doubled)."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise TypeError(f"unsupported literal {value!r}")
+    if isinstance(value, str):
+        return "'" + value.replace("'", "''") + "'"
+    return repr(value)

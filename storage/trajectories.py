@@ -1,0 +1,264 @@
+"""The trajectories table: one row per sample, the buffer between rollout and training.
+
+Partitioned by ``run_id`` and ``step`` so a step's rows are read (and rewarded) without touching others.
+Token ids and log-probs are stored exactly as the engine produced them (token-in, token-out). Rows are
+validated before they are written: a malformed row in the buffer would surface steps later in the trainer.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from sluiceway.storage.object_store import ObjectStore
+from sluiceway.storage.tables import (
+    append_idempotent,
+    conform,
+    open_table,
+    read_table,
+    sql_literal,
+    table_exists,
+)
+
+TRAJECTORIES = "trajectories"
+PARTITION_BY = ["run_id", "step"]
+STATUSES = ("completed", "truncated", "aborted", "failed")
+SORT_KEYS = [("step", "ascending"), ("group_id", "ascending"), ("sample_index", "ascending")]
+
+TRAJECTORY_SCHEMA = pa.schema(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("group_id", pa.int64(), nullable=False),  # the prompt instance; GRPO groups share it
+        pa.field("sample_index", pa.int64(), nullable=False),  # sample within the group
+        pa.field("prompt_id", pa.string(), nullable=False),  # dataset row the prompt came from
+        pa.field("prompt", pa.string(), nullable=False),  # rendered prompt text (after the chat template)
+        pa.field("label", pa.string()),
+        pa.field("prompt_token_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("response_token_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("response_text", pa.string(), nullable=False),
+        pa.field("rollout_logprobs", pa.list_(pa.float32()), nullable=False),  # per response token, or empty
+        pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),  # per response token: 1 = trained on
+        pa.field("reward", pa.float64()),  # null until scored
+        pa.field("reward_details", pa.string()),  # JSON from the verifier / reward model
+        pa.field("status", pa.string(), nullable=False),  # one of STATUSES
+        pa.field("finish_reason", pa.string(), nullable=False),  # engine's reason (stop, length, abort, ...)
+        pa.field("weight_version", pa.int64(), nullable=False),  # version at the end of generation
+        # every version the tokens came from (a partial rollout spans weight updates)
+        pa.field("weight_versions", pa.list_(pa.int64()), nullable=False),
+        pa.field("engine", pa.string(), nullable=False),
+        pa.field("pool", pa.string(), nullable=False),
+        pa.field("gen_time_s", pa.float64(), nullable=False),
+        pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("metadata", pa.string(), nullable=False),  # JSON object
+    ]
+)
+
+# Fields a caller may leave out of a row dict, and what they become.
+_ROW_DEFAULTS: dict[str, Any] = {"label": None, "reward": None, "reward_details": None, "metadata": "{}"}
+_JSON_FIELDS = ("reward_details", "metadata")
+
+
+def append_trajectories(store: ObjectStore, rows: list[dict[str, Any]] | pa.Table, app_id: str) -> bool:
+    """Validate and append one batch of samples; False when a batch with ``app_id`` was already written.
+
+    Row dicts may omit ``label``, ``reward``, ``reward_details`` (null), ``metadata`` (``"{}"``) and
+    ``created_at`` (now); ``metadata`` and ``reward_details`` may be dicts (stored as JSON). Raises
+    ValueError naming the row and field when a row does not fit :data:`TRAJECTORY_SCHEMA`.
+    """
+    table = rows if isinstance(rows, pa.Table) else _rows_to_table(rows)
+    if table.num_rows == 0:
+        raise ValueError("append_trajectories: no rows")
+    table = conform(table, TRAJECTORY_SCHEMA, what="trajectory")
+    validate_trajectories(table)
+    return append_idempotent(store, TRAJECTORIES, table, app_id=app_id, partition_by=PARTITION_BY)
+
+
+def read_trajectories(store: ObjectStore, run_id: str, step: int | None = None) -> pa.Table:
+    """Samples of ``run_id`` (one step, or all), sorted by step, group, sample; typed as TRAJECTORY_SCHEMA."""
+    if not table_exists(store, TRAJECTORIES):
+        return TRAJECTORY_SCHEMA.empty_table()
+    table = read_table(store, TRAJECTORIES, filters=_partition_filter(run_id, step))
+    return table.select(TRAJECTORY_SCHEMA.names).cast(TRAJECTORY_SCHEMA).sort_by(SORT_KEYS)
+
+
+def existing_group_ids(store: ObjectStore, run_id: str, step: int) -> set[int]:
+    """Groups already stored for a step: a resumed rollout generates only the missing ones."""
+    if not table_exists(store, TRAJECTORIES):
+        return set()
+    table = read_table(store, TRAJECTORIES, filters=_partition_filter(run_id, step), columns=["group_id"])
+    return set(pc.unique(table.column("group_id")).to_pylist())
+
+
+def set_rewards(
+    store: ObjectStore,
+    run_id: str,
+    step: int,
+    rewards: list[tuple[int, int, float, str | None]],
+) -> int:
+    """Set ``reward`` and ``reward_details`` for ``(group_id, sample_index, reward, details)`` of one step.
+
+    A Delta merge restricted to the (run_id, step) partition; rows whose values already match are left
+    alone, so re-applying the same rewards commits nothing. Returns the number of rows changed. Every key
+    must exist (a reward for an unknown sample is a bug upstream, not something to drop).
+    """
+    if not rewards:
+        return 0
+    keys = [(int(g), int(s)) for g, s, _, _ in rewards]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"set_rewards: duplicate (group_id, sample_index) keys for {run_id} step {step}")
+    present = read_trajectories_keys(store, run_id, step)
+    missing = [k for k in keys if k not in present]
+    if missing:
+        raise ValueError(
+            f"set_rewards: {len(missing)} (group_id, sample_index) keys not stored for {run_id} step {step}, "
+            f"e.g. {missing[:3]}"
+        )
+    n = len(rewards)
+    source = pa.table(
+        {
+            "run_id": pa.array([run_id] * n, pa.string()),
+            "step": pa.array([step] * n, pa.int64()),
+            "group_id": pa.array([k[0] for k in keys], pa.int64()),
+            "sample_index": pa.array([k[1] for k in keys], pa.int64()),
+            "reward": pa.array([None if r is None else float(r) for _, _, r, _ in rewards], pa.float64()),
+            "reward_details": pa.array(
+                [_json_text(d, "reward_details") for _, _, _, d in rewards], pa.string()
+            ),
+        }
+    )
+    # Literals on the partition columns let deltalake prune every other partition before joining.
+    predicate = (
+        f"t.run_id = {sql_literal(run_id)} AND t.step = {sql_literal(int(step))} "
+        "AND t.run_id = s.run_id AND t.step = s.step "
+        "AND t.group_id = s.group_id AND t.sample_index = s.sample_index"
+    )
+    dt = open_table(store, TRAJECTORIES)
+    with store.redacting():
+        metrics = (
+            dt.merge(source, predicate=predicate, source_alias="s", target_alias="t")
+            .when_matched_update(
+                updates={"reward": "s.reward", "reward_details": "s.reward_details"},
+                predicate="(t.reward IS DISTINCT FROM s.reward) OR (t.reward_details IS DISTINCT FROM s.reward_details)",
+            )
+            .execute()
+        )
+    return int(metrics["num_target_rows_updated"])
+
+
+def read_trajectories_keys(store: ObjectStore, run_id: str, step: int) -> set[tuple[int, int]]:
+    """The (group_id, sample_index) keys stored for one step."""
+    if not table_exists(store, TRAJECTORIES):
+        return set()
+    table = read_table(
+        store, TRAJECTORIES, filters=_partition_filter(run_id, step), columns=["group_id", "sample_index"]
+    )
+    return set(
+        zip(table.column("group_id").to_pylist(), table.column("sample_index").to_pylist(), strict=True)
+    )
+
+
+def validate_trajectories(table: pa.Table) -> None:
+    """Checks the schema cannot express: status values, per-token lengths, unique keys (run after conform)."""
+    bad_status = pc.invert(pc.is_in(table.column("status"), value_set=pa.array(STATUSES)))
+    if pc.any(bad_status).as_py():
+        row = _first(bad_status)
+        raise ValueError(
+            f"trajectory row {row}{_key(table, row)}: status {table.column('status')[row].as_py()!r}; "
+            f"expected one of {list(STATUSES)}"
+        )
+    n_resp = pc.list_value_length(table.column("response_token_ids"))
+    for name, may_be_empty in (("loss_mask", False), ("rollout_logprobs", True)):
+        n = pc.list_value_length(table.column(name))
+        bad = pc.not_equal(n, n_resp)
+        if may_be_empty:
+            bad = pc.and_(bad, pc.not_equal(n, 0))
+        if pc.any(bad).as_py():
+            row = _first(bad)
+            raise ValueError(
+                f"trajectory row {row}{_key(table, row)}: {name!r} has {n[row].as_py()} entries for "
+                f"{n_resp[row].as_py()} response tokens; expected one per response token"
+                + (" (or none)" if may_be_empty else "")
+            )
+    keys = table.group_by(["run_id", "step", "group_id", "sample_index"]).aggregate([([], "count_all")])
+    dup = pc.greater(keys.column("count_all"), 1)
+    if pc.any(dup).as_py():
+        r = keys.filter(dup).slice(0, 1).to_pylist()[0]
+        raise ValueError(
+            f"trajectories: key (run_id={r['run_id']!r}, step={r['step']}, group_id={r['group_id']}, "
+            f"sample_index={r['sample_index']}) appears {r['count_all']} times in one batch"
+        )
+
+
+# -- helpers ---------------------------------------------------------------------------------------------------
+
+
+def _rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
+    """Row dicts to a table, with errors that name the row and the field (pyarrow's name neither)."""
+    names = set(TRAJECTORY_SCHEMA.names)
+    now = _dt.datetime.now(_dt.UTC)
+    prepared = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise TypeError(f"trajectory row {i}: expected a dict, got {type(row).__name__}")
+        unknown = sorted(set(row) - names)
+        if unknown:
+            raise ValueError(f"trajectory row {i}: unknown fields {unknown}")
+        full = {**_ROW_DEFAULTS, "created_at": now, **row}
+        missing = [n for n in TRAJECTORY_SCHEMA.names if n not in full]
+        if missing:
+            raise ValueError(f"trajectory row {i}: missing fields {missing}")
+        for name in _JSON_FIELDS:
+            full[name] = _json_text(full[name], name)
+        prepared.append(full)
+    columns = []
+    for field in TRAJECTORY_SCHEMA:
+        values = [r[field.name] for r in prepared]
+        try:
+            columns.append(pa.array(values, type=field.type))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as exc:
+            for i, v in enumerate(values):  # find the row that does not fit
+                try:
+                    pa.array([v], type=field.type)
+                except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+                    raise ValueError(
+                        f"trajectory row {i}: field {field.name!r} = {_short(v)} does not fit {field.type}"
+                    ) from None
+            raise ValueError(f"trajectories: field {field.name!r} does not fit {field.type}: {exc}") from None
+    return pa.Table.from_arrays(columns, schema=TRAJECTORY_SCHEMA)
+
+
+def _json_text(value: Any, name: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name}: not JSON-serializable ({exc})") from None
+
+
+def _partition_filter(run_id: str, step: int | None) -> list[tuple[str, str, Any]]:
+    filters: list[tuple[str, str, Any]] = [("run_id", "=", run_id)]
+    if step is not None:
+        filters.append(("step", "=", int(step)))
+    return filters
+
+
+def _first(mask: pa.ChunkedArray | pa.Array) -> int:
+    return pc.index(mask, True).as_py()
+
+
+def _key(table: pa.Table, row: int) -> str:
+    try:
+        g, s = table.column("group_id")[row].as_py(), table.column("sample_index")[row].as_py()
+    except IndexError:
+        return ""
+    return f" (group {g}, sample {s})"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

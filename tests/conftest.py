@@ -1,0 +1,32 @@
+"""Shared fixtures. Servers are owned by the fixture that starts them and stopped by pid at teardown."""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+import pytest
+from sluiceway.infra.s3_server import SeaweedS3
+from sluiceway.storage.object_store import ObjectStore
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory):
+    """One real SeaweedFS S3 server for the session (started only if a test asks for it; never skipped)."""
+    with SeaweedS3(tmp_path_factory.mktemp("seaweedfs")) as server:
+        yield server
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path, monkeypatch: pytest.MonkeyPatch) -> ObjectStore:
+    """An ObjectStore on a local directory or on the S3 server, under a prefix no other test uses.
+
+    For S3 the credentials reach the store the way they reach users' code: through AWS_* variables.
+    """
+    if request.param == "local":
+        return ObjectStore.from_uri(str(tmp_path / "store"))
+    server: SeaweedS3 = request.getfixturevalue("s3_server")
+    for key, value in server.env().items():
+        monkeypatch.setenv(key, value)
+    prefix = re.sub(r"[^A-Za-z0-9_-]+", "-", request.node.name)[:60] + "-" + uuid.uuid4().hex[:8]
+    return ObjectStore.from_uri(f"s3://{server.bucket}/{prefix}")
