@@ -13,7 +13,10 @@ def run(cfg: RunConfig) -> dict:
     configure_prefect(cfg.storage.output_dir)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is fetched from a hub at run time
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    logging.basicConfig(level=cfg.logging.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # Libraries (httpx, megatron) log at INFO; only sluiceway's own logger follows --log-level.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("sluiceway").setLevel(cfg.logging.log_level)
     from sluiceway.flows.rl import rl_flow  # imported after Prefect's settings are in the environment
     from sluiceway.flows.runtime import prepare
 

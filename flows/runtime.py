@@ -135,7 +135,7 @@ class Runtime:
         prep = prep or prepare(cfg)
         tok = prep.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        sampler = Sampler(load_hf_model(prep.hf_dir), pad, torch.bfloat16 if cfg.training.bf16 else None)
+        sampler = Sampler(load_hf_model(prep.hf_dir), pad, dtype=torch.bfloat16 if cfg.training.bf16 else None)
         trainer = PolicyTrainer(prep.hf_dir, cfg.training, cfg.algorithm, cfg.rollout.rollout_temperature, pad)
         return cls(cfg, run_dir, prep, sampler, trainer)
 

@@ -377,6 +377,11 @@ def build_gpt_model(
     rope = model.rotary_pos_emb
     rope.__class__ = _DeviceLocalRotaryEmbedding
     rope.inv_freq = rope.inv_freq.to(device)
+    # Megatron's torch-norm wrapper ignores params_dtype; a bf16 model with fp32 norm weights takes torch's
+    # slow unfused RMSNorm path. inv_freq is not a parameter, so this leaves RoPE in fp32.
+    for module in model.modules():
+        if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+            module.to(dtype)
     return model.to(device)
 
 

@@ -53,10 +53,10 @@ def sample_top_p(logprobs: torch.Tensor, top_p: float, generators: list[torch.Ge
 class Sampler:
     """Generates from a causal LM held in this process; weights are replaced in place by the trainer."""
 
-    def __init__(self, model: torch.nn.Module, pad_token_id: int, autocast_dtype: torch.dtype | None = None):
-        self.model = model.eval()
+    def __init__(self, model: torch.nn.Module, pad_token_id: int, dtype: torch.dtype | None = None):
+        # Serving in bf16 (as SGLang does) halves memory traffic; log-probs are still taken in fp32.
+        self.model = (model.to(dtype) if dtype is not None else model).eval()
         self.pad_token_id = pad_token_id
-        self.autocast_dtype = autocast_dtype
         self.weight_version = 0
         self.device = next(model.parameters()).device
 
@@ -102,14 +102,10 @@ class Sampler:
         step_ids, step_attn = input_ids, attn
         for t in range(params.max_new_tokens):
             positions = (attn.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
-            with torch.autocast(
-                device_type=self.device.type, dtype=self.autocast_dtype or torch.float32,
-                enabled=self.autocast_dtype is not None,
-            ):
-                logits = self.model(
-                    input_ids=step_ids, attention_mask=attn, position_ids=positions,
-                    past_key_values=cache, use_cache=True,
-                ).logits[:, -1, :]
+            logits = self.model(
+                input_ids=step_ids, attention_mask=attn, position_ids=positions,
+                past_key_values=cache, use_cache=True,
+            ).logits[:, -1, :]
             lp = torch.log_softmax(logits.float() / params.temperature, dim=-1).cpu()
             nxt = sample_top_p(lp, params.top_p, gens)
             tokens[:, t] = torch.where(finished, self.pad_token_id, nxt)

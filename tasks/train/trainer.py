@@ -1,12 +1,13 @@
 """The policy trainer: a megatron-core GPTModel built from HF weights, trained with a PPO-clip objective.
 
-On CPU megatron's own DDP/optimizer are CUDA-only (DESIGN.md), so the optimizer is torch's AdamW over fp32
-master weights, optionally under bf16 autocast. Weights leave the trainer in HF names for the sampler.
+On CPU megatron's own DDP/optimizer are CUDA-only (DESIGN.md), so the optimizer is torch's AdamW. With
+`bf16` the model computes in bf16 while AdamW updates fp32 master copies of its weights (megatron's own
+mixed-precision scheme; autocast is not an option because megatron's linear layers pin autocast to CUDA).
+Weights leave the trainer in HF names, from the fp32 masters.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import random
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import torch
 from transformers import AutoConfig
 
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
-from sluiceway.models.hf_megatron import load_hf_weights, megatron_to_hf
+from sluiceway.models.hf_megatron import hf_to_megatron, load_hf_weights, megatron_state_dict, megatron_to_hf
 from sluiceway.models.megatron_gpt import build_gpt_model, init_parallel_state, token_logprobs_and_entropy
 from sluiceway.models.zoo import load_hf_state_dict
 from sluiceway.tasks.train.losses import aggregate, kl_penalty, ppo_clip_loss
@@ -66,23 +67,33 @@ class PolicyTrainer:
         self.hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
         init_parallel_state()
         torch.manual_seed(training.seed)
-        self.model = build_gpt_model(self.hf_config)
-        load_hf_weights(self.model, load_hf_state_dict(hf_dir), self.hf_config)
+        dtype = torch.bfloat16 if training.bf16 else torch.float32
+        self.model = build_gpt_model(self.hf_config, dtype=dtype)
+        hf_state = load_hf_state_dict(hf_dir)
+        load_hf_weights(self.model, hf_state, self.hf_config)
+        self.mixed_precision = training.bf16
+        self.param_names = [n for n, _ in self.model.named_parameters()]
+        params = [p for _, p in self.model.named_parameters()]
+        if self.mixed_precision:
+            # Masters come from the original fp32 weights, not from their bf16 rounding.
+            full = hf_to_megatron(hf_state, self.hf_config)
+            self.master = [full[n].detach().float().clone() for n in self.param_names]
+        else:
+            self.master = params  # fp32: the model's parameters are the master weights
         self.ref_model = None
         if algorithm.use_kl_loss:
-            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+            # A second model, not a deepcopy: megatron modules hold process groups, which do not copy.
+            self.ref_model = build_gpt_model(self.hf_config, dtype=dtype)
+            load_hf_weights(self.ref_model, hf_state, self.hf_config)
+            self.ref_model.eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=training.lr, weight_decay=training.weight_decay,
+            self.master, lr=training.lr, weight_decay=training.weight_decay,
             betas=(training.adam_beta1, training.adam_beta2),
         )
         self.weight_version = 0
 
-    def _autocast(self):
-        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.training.bf16)
-
     def _logprobs(self, model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        with self._autocast():
-            return token_logprobs_and_entropy(model, ids, temperature=self.temperature)
+        return token_logprobs_and_entropy(model, ids, temperature=self.temperature)
 
     def train_rollout(self, samples: list[TrainSample], step: int) -> dict[str, float]:
         """num_steps_per_rollout optimizer steps over one rollout's samples; returns averaged metrics."""
@@ -138,21 +149,40 @@ class PolicyTrainer:
             sums["clipfrac"] += float((clipped * m).sum()) / max(n_tokens, 1.0)
             sums["ratio"] += float((torch.exp(logp.detach() - old) * m).sum()) / max(n_tokens, 1.0)
             sums["logprob_mismatch"] += float(((logp.detach() - mb.rollout_logp).abs() * m).sum()) / max(n_tokens, 1.0)
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.training.clip_grad > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.training.clip_grad)
-        else:
-            grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = self._step_master_weights()
         sums["grad_norm"] = float(grad_norm)
         sums["tokens"] = n_tokens
         if not math.isfinite(sums["loss"]):
             raise FloatingPointError(f"non-finite loss {sums['loss']} at weight version {self.weight_version}")
         return sums
 
+    def _step_master_weights(self) -> torch.Tensor:
+        model_params = [p for _, p in self.model.named_parameters()]
+        if self.mixed_precision:
+            for p, m in zip(model_params, self.master):
+                m.grad = None if p.grad is None else p.grad.float()
+                p.grad = None
+        with_grad = [m for m in self.master if m.grad is not None]
+        if self.training.clip_grad > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(with_grad, self.training.clip_grad)
+        else:
+            grad_norm = torch.linalg.vector_norm(torch.stack([m.grad.norm() for m in with_grad]))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.mixed_precision:
+            with torch.no_grad():
+                for p, m in zip(model_params, self.master):
+                    p.copy_(m)
+        return grad_norm
+
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state in megatron names with fp32 master values for every parameter."""
+        state = megatron_state_dict(self.model)
+        state.update({n: m.detach() for n, m in zip(self.param_names, self.master)})
+        return state
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return megatron_to_hf(self.model.state_dict(), self.hf_config)
+        return megatron_to_hf(self.master_state_dict(), self.hf_config)
 
     def save(self, path: str | Path, step: int) -> None:
         """Local checkpoint: model, optimizer and version, written atomically."""
@@ -160,7 +190,7 @@ class PolicyTrainer:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         state = {
-            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "model": self.master_state_dict(), "optimizer": self.optimizer.state_dict(),
             "weight_version": self.weight_version, "step": step,
         }
         torch.save(state, tmp)
@@ -168,7 +198,13 @@ class PolicyTrainer:
 
     def load(self, path: str | Path) -> int:
         state = torch.load(path, map_location="cpu", weights_only=False)
-        self.model.load_state_dict(state["model"])
+        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"{path}: checkpoint does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        with torch.no_grad():
+            for n, m in zip(self.param_names, self.master):
+                m.copy_(state["model"][n])
         self.optimizer.load_state_dict(state["optimizer"])
         self.weight_version = state["weight_version"]
         return state["step"]
