@@ -71,8 +71,9 @@ class AlgorithmConfig(_Group):
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = Field("low_var_kl", description="KL estimator.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Weight of the entropy bonus.")
     loss_agg_mode: Literal["token_mean", "seq_mean_token_mean"] = Field(
-        "token_mean", description="token_mean: every trained token weighs the same (DAPO); seq_mean_token_mean: "
-        "every sequence weighs the same (the GRPO paper)."
+        "token_mean",
+        description="token_mean: every trained token weighs the same (DAPO); seq_mean_token_mean: "
+        "every sequence weighs the same (the GRPO paper).",
     )
 
 

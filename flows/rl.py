@@ -33,9 +33,16 @@ def rollout_task(run_id: str, step: int) -> dict:
     c = rt.cfg
     idx = prompt_indices_for_step(len(rt.prompts), step, c.rollout.rollout_batch_size, c.training.seed)
     res = run_rollout(
-        store=rt.store, run_id=run_id, step=step, prompts=[rt.prompts[i] for i in idx], sampler=rt.sampler,
-        params=rt.sampling, n_samples=c.rollout.n_samples_per_prompt, seed=c.training.seed,
-        micro_batch_size=c.rollout.rollout_micro_batch_size, decode=rt.decode,
+        store=rt.store,
+        run_id=run_id,
+        step=step,
+        prompts=[rt.prompts[i] for i in idx],
+        sampler=rt.sampler,
+        params=rt.sampling,
+        n_samples=c.rollout.n_samples_per_prompt,
+        seed=c.training.seed,
+        micro_batch_size=c.rollout.rollout_micro_batch_size,
+        decode=rt.decode,
     )
     return dataclasses.asdict(res)
 
@@ -94,14 +101,23 @@ def rl_flow(config: dict) -> dict:
             rew = reward_task(cfg.run_id, step)
             m = train_task(cfg.run_id, step)
             sync_task(cfg.run_id, step)
-            m.update({"time/step_s": time.perf_counter() - t0, "time/rollout_s": roll["gen_time_s"],
-                      "rollout/groups_skipped": float(roll["groups_skipped"]),
-                      "reward/errors": float(rew["errors"])})
+            m.update(
+                {
+                    "time/step_s": time.perf_counter() - t0,
+                    "time/rollout_s": roll["gen_time_s"],
+                    "rollout/groups_skipped": float(roll["groups_skipped"]),
+                    "reward/errors": float(rew["errors"]),
+                }
+            )
             append_metrics(rt.store, cfg.run_id, step, m, tag="train")
             history.append(m)
             if not cfg.logging.quiet:
                 print(format_step(step, total, m, m["time/step_s"]), flush=True)
     finally:
         runtime.unregister(cfg.run_id)
-    return {"run_id": cfg.run_id, "steps": len(history), "tables": cfg.tables_uri,
-            "final_weight_version": rt.trainer.weight_version}
+    return {
+        "run_id": cfg.run_id,
+        "steps": len(history),
+        "tables": cfg.tables_uri,
+        "final_weight_version": rt.trainer.weight_version,
+    }

@@ -26,6 +26,8 @@ def run(cfg: RunConfig) -> dict:
 
     result = rl_flow(cfg.model_dump(mode="json"))
     if not cfg.logging.quiet:
-        print(f"done: {result['steps']} steps, weight version {result['final_weight_version']}, "
-              f"tables at {result['tables']}")
+        print(
+            f"done: {result['steps']} steps, weight version {result['final_weight_version']}, "
+            f"tables at {result['tables']}"
+        )
     return result

@@ -45,11 +45,13 @@ def load_dataset(cfg: RunConfig, store: ObjectStore, prompt_data: str, size: int
     name = dataset_table_name(prompt_data, size, cfg.training.seed)
     if prompt_data.startswith("env:"):
         records = generate_env(prompt_data, size, cfg.training.seed)
-        import_records(records, store, name, source=prompt_data, input_key="input", label_key="label",
-                       metadata_key="metadata")
+        import_records(
+            records, store, name, source=prompt_data, input_key="input", label_key="label", metadata_key="metadata"
+        )
     else:
-        import_prompts(prompt_data, store, name, input_key=d.input_key, label_key=d.label_key,
-                       metadata_key=d.metadata_key)
+        import_prompts(
+            prompt_data, store, name, input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key
+        )
     return load_prompts(store, name)
 
 
@@ -104,8 +106,10 @@ def prepare(cfg: RunConfig) -> Prepared:
     tokenizer = load_tokenizer(hf_dir)
     prompts = render_items(cfg, tokenizer, rows)
     sampling = SamplingParams(
-        max_new_tokens=cfg.rollout.rollout_max_response_len, temperature=cfg.rollout.rollout_temperature,
-        top_p=cfg.rollout.rollout_top_p, stop_token_ids=stop_token_ids(tokenizer, hf_dir),
+        max_new_tokens=cfg.rollout.rollout_max_response_len,
+        temperature=cfg.rollout.rollout_temperature,
+        top_p=cfg.rollout.rollout_top_p,
+        stop_token_ids=stop_token_ids(tokenizer, hf_dir),
     )
     return Prepared(store, hf_dir, tokenizer, prompts, scorer, sampling)
 
@@ -148,8 +152,9 @@ class Runtime:
             return 0
         step = self.trainer.load(self.checkpoint_path)
         self.sampler.update_weights(self.trainer.hf_state_dict(), self.trainer.weight_version)
-        log.info("resumed from %s (step %d, weight version %d)", self.checkpoint_path, step,
-                 self.trainer.weight_version)
+        log.info(
+            "resumed from %s (step %d, weight version %d)", self.checkpoint_path, step, self.trainer.weight_version
+        )
         return step + 1
 
 

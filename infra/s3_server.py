@@ -212,9 +212,7 @@ class SeaweedS3:
             except (urllib.error.URLError, OSError) as exc:
                 last_error = exc
             if time.monotonic() > deadline:
-                self._fail(
-                    f"S3 port {self.s3_port} did not answer within {self.startup_timeout:.0f}s ({last_error})"
-                )
+                self._fail(f"S3 port {self.s3_port} did not answer within {self.startup_timeout:.0f}s ({last_error})")
             time.sleep(0.2)
         # 2) an authenticated client sees the bucket (created by -bucket, or by us if startup skipped it).
         fs = self._s3fs()
@@ -228,9 +226,7 @@ class SeaweedS3:
                 last_error = exc
             fs.invalidate_cache()
             if time.monotonic() > deadline:
-                self._fail(
-                    f"bucket {self.bucket!r} not usable within {self.startup_timeout:.0f}s ({last_error})"
-                )
+                self._fail(f"bucket {self.bucket!r} not usable within {self.startup_timeout:.0f}s ({last_error})")
             time.sleep(0.3)
 
     def _s3fs(self):

@@ -21,14 +21,8 @@ def _check_messages(prompt: Sequence[Any]) -> list[dict[str, str]]:
     if not prompt:
         raise UserError("prompt: empty message list; expected at least one {'role': ..., 'content': ...}")
     for i, m in enumerate(prompt):
-        if (
-            not isinstance(m, Mapping)
-            or not isinstance(m.get("role"), str)
-            or not isinstance(m.get("content"), str)
-        ):
-            raise UserError(
-                f"prompt message {i}: expected a dict with string 'role' and 'content', got {m!r}"
-            )
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise UserError(f"prompt message {i}: expected a dict with string 'role' and 'content', got {m!r}")
         messages.append(dict(m))
     return messages
 
@@ -64,9 +58,7 @@ def render_prompt(
         messages = [{"role": "system", "content": system_prompt}, *messages]
     if not getattr(tokenizer, "chat_template", None):
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-        raise UserError(
-            f"tokenizer {name}: has no chat template; use plain-text prompts without the chat template"
-        )
+        raise UserError(f"tokenizer {name}: has no chat template; use plain-text prompts without the chat template")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 

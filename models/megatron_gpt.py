@@ -19,9 +19,7 @@ from torch import Tensor
 
 with warnings.catch_warnings():
     # megatron warns at import that Apex / Transformer Engine are absent; that is the expected CPU setup.
-    warnings.filterwarnings(
-        "ignore", message=r".*(Apex|Transformer Engine).*not installed", category=UserWarning
-    )
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed", category=UserWarning)
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.models.gpt import GPTModel
@@ -173,15 +171,9 @@ def transformer_config_from_hf(
         raise NotImplementedError(f"hidden_act={hf_config.hidden_act!r} (expected silu for SwiGLU)")
     if getattr(hf_config, "use_sliding_window", False):
         raise NotImplementedError("Qwen2 sliding-window attention is not supported")
-    tp = (
-        parallel_state.get_tensor_model_parallel_world_size()
-        if parallel_state.model_parallel_is_initialized()
-        else 1
-    )
+    tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
     pp = (
-        parallel_state.get_pipeline_model_parallel_world_size()
-        if parallel_state.model_parallel_is_initialized()
-        else 1
+        parallel_state.get_pipeline_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
     )
     kwargs: dict[str, Any] = {
         "num_layers": hf_config.num_hidden_layers,
@@ -271,9 +263,7 @@ class SDPACoreAttention(MegatronModule):
         packed_seq_params: PackedSeqParams | None = None,
     ) -> Tensor:
         if packed_seq_params is not None:
-            raise NotImplementedError(
-                "packed sequences need TE attention; SDPACoreAttention takes [s, b, h, d]"
-            )
+            raise NotImplementedError("packed sequences need TE attention; SDPACoreAttention takes [s, b, h, d]")
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by SDPACoreAttention")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -353,9 +343,7 @@ def build_gpt_model(
     rope_scaling, rope_factor = _rope_scaling_from_hf(hf_config)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if hf_config.vocab_size % tp:
-        raise ValueError(
-            f"vocab_size={hf_config.vocab_size} is not divisible by tensor_model_parallel_size={tp}"
-        )
+        raise ValueError(f"vocab_size={hf_config.vocab_size} is not divisible by tensor_model_parallel_size={tp}")
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     model = GPTModel(
@@ -444,9 +432,7 @@ def token_logprobs(model: GPTModel, input_ids: Tensor, temperature: float = 1.0)
     return logp
 
 
-def token_logprobs_and_entropy(
-    model: GPTModel, input_ids: Tensor, temperature: float = 1.0
-) -> tuple[Tensor, Tensor]:
+def token_logprobs_and_entropy(model: GPTModel, input_ids: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
     """(log-probs [b, s-1], entropy [b, s-1]) of the next-token distribution at logits / temperature, fp32."""
     logp, entropy = _shifted_logprobs(gpt_logits(model, input_ids), input_ids, temperature, with_entropy=True)
     assert entropy is not None

@@ -12,6 +12,7 @@ import random
 from pathlib import Path
 
 import torch
+
 from sluiceway.models.chat import make_tokenizer_config_portable
 
 # Bumped whenever the corpus, tokenizer settings or model shape change, so zoo caches rebuild.

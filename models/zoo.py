@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from sluiceway.flows.errors import UserError
 
 # No hub access at run time (see DESIGN.md); loads below also pass local_files_only.
@@ -124,7 +125,7 @@ def _make_shareable(root: Path) -> None:
     # processes and maybe other users, so give it the permissions an ordinary mkdir/open would have.
     umask = os.umask(0)
     os.umask(umask)
-    for dirpath, dirs, files in os.walk(root):
+    for dirpath, _dirs, files in os.walk(root):
         os.chmod(dirpath, 0o777 & ~umask)
         for f in files:
             os.chmod(os.path.join(dirpath, f), 0o666 & ~umask)
@@ -204,9 +205,7 @@ def resolve_checkpoint(name_or_path: str | Path, cache_dir: str | Path | None = 
     p = Path(key).expanduser()
     looks_like_path = p.exists() or os.sep in key or key.startswith((".", "~"))
     if not looks_like_path:
-        raise UserError(
-            f"unknown model {key!r}: not a directory and not a zoo name; known names: {', '.join(ZOO)}"
-        )
+        raise UserError(f"unknown model {key!r}: not a directory and not a zoo name; known names: {', '.join(ZOO)}")
     return validate_model_dir(p)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+
 from sluiceway.flows.errors import UserError
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.tables import append_idempotent, read_table, table_exists, table_version
@@ -62,9 +63,7 @@ def import_prompts(
     shown = str(path)
     suffix = file.suffix.lower()
     if suffix not in _JSONL_SUFFIXES + _PARQUET_SUFFIXES:
-        raise UserError(
-            f"{shown}: unsupported file type {suffix or '(none)'!r}; expected .jsonl, .json or .parquet"
-        )
+        raise UserError(f"{shown}: unsupported file type {suffix or '(none)'!r}; expected .jsonl, .json or .parquet")
     if not file.is_file():
         raise UserError(f"{shown}: prompt file not found")
     raw = file.read_bytes()
@@ -112,9 +111,7 @@ def load_prompts(store: ObjectStore, name: str, version: int | None = None) -> l
     """All prompts of dataset ``name`` as dicts, in a stable order (source, then row)."""
     if not table_exists(store, name):
         raise UserError(f"dataset {name!r} not found in {store.root}; import it first")
-    table = read_table(store, name, version=version).sort_by(
-        [("source", "ascending"), ("row_index", "ascending")]
-    )
+    table = read_table(store, name, version=version).sort_by([("source", "ascending"), ("row_index", "ascending")])
     rows = table.to_pylist()
     for row in rows:
         row["metadata"] = json.loads(row["metadata"]) if row["metadata"] else {}
@@ -207,19 +204,13 @@ def _prompt(value: Any, where: str, key: str) -> tuple[str | None, list[dict[str
     messages = []
     for i, msg in enumerate(value):
         if not isinstance(msg, dict):
-            raise UserError(
-                f'{where}: {key!r} message {i} is {_kind(msg)}; expected {{"role": ..., "content": ...}}'
-            )
+            raise UserError(f'{where}: {key!r} message {i} is {_kind(msg)}; expected {{"role": ..., "content": ...}}')
         extra = sorted(set(msg) - {"role", "content"})
         if extra:
-            raise UserError(
-                f"{where}: {key!r} message {i} has unsupported keys {extra}; expected only role, content"
-            )
+            raise UserError(f"{where}: {key!r} message {i} has unsupported keys {extra}; expected only role, content")
         role, content = msg.get("role"), msg.get("content")
         if not isinstance(role, str) or not role:
-            raise UserError(
-                f"{where}: {key!r} message {i} has role {_kind(role)}; expected a non-empty string"
-            )
+            raise UserError(f"{where}: {key!r} message {i} has role {_kind(role)}; expected a non-empty string")
         if not isinstance(content, str):
             raise UserError(f"{where}: {key!r} message {i} has content {_kind(content)}; expected a string")
         messages.append({"role": role, "content": content})

@@ -11,6 +11,7 @@ import datetime as _dt
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
+
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.tables import append_idempotent, read_table, table_exists
 
@@ -30,9 +31,7 @@ METRICS_SCHEMA = pa.schema(
 )
 
 
-def append_metrics(
-    store: ObjectStore, run_id: str, step: int, metrics: dict[str, float], tag: str = "train"
-) -> bool:
+def append_metrics(store: ObjectStore, run_id: str, step: int, metrics: dict[str, float], tag: str = "train") -> bool:
     """Log ``metrics`` for one step; False when this (run_id, step, tag) was logged already (or is empty).
 
     ``tag`` names the stage that logs (train, rollout, eval, ...) so stages logging at the same step do not

@@ -89,20 +89,13 @@ class ObjectStore:
             secret_key = secret_key or os.environ.get("AWS_SECRET_ACCESS_KEY")
             if not access_key or not secret_key:
                 missing = [
-                    n
-                    for n, v in (("AWS_ACCESS_KEY_ID", access_key), ("AWS_SECRET_ACCESS_KEY", secret_key))
-                    if not v
+                    n for n, v in (("AWS_ACCESS_KEY_ID", access_key), ("AWS_SECRET_ACCESS_KEY", secret_key)) if not v
                 ]
-                raise UserError(
-                    f"storage: {root} needs S3 credentials; set {' and '.join(missing)} in the environment"
-                )
+                raise UserError(f"storage: {root} needs S3 credentials; set {' and '.join(missing)} in the environment")
             return cls(
                 root,
                 endpoint_url=endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None,
-                region=region
-                or os.environ.get("AWS_REGION")
-                or os.environ.get("AWS_DEFAULT_REGION")
-                or DEFAULT_REGION,
+                region=region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or DEFAULT_REGION,
                 access_key=access_key,
                 secret_key=secret_key,
                 session_token=os.environ.get("AWS_SESSION_TOKEN") or None,
@@ -110,9 +103,7 @@ class ObjectStore:
         if parsed.scheme == "file":
             uri = parsed.path
         elif parsed.scheme and len(parsed.scheme) > 1:  # one letter: a Windows drive, not a scheme
-            raise UserError(
-                f"storage: unsupported store URI {uri!r}; expected a local path or s3://bucket/prefix"
-            )
+            raise UserError(f"storage: unsupported store URI {uri!r}; expected a local path or s3://bucket/prefix")
         path = Path(uri).expanduser().resolve()
         try:
             path.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+
 from sluiceway.storage.object_store import ObjectStore
 
 # The version we record for an app_id: we only ever ask "has this batch been written", so 1 means "yes".
@@ -74,9 +75,7 @@ def conform(data: pa.Table, schema: pa.Schema, what: str = "data") -> pa.Table:
             try:
                 table.column(field.name).cast(field.type)
             except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as col_exc:
-                raise ValueError(
-                    f"{what}: column {field.name!r} does not fit {field.type}: {col_exc}"
-                ) from None
+                raise ValueError(f"{what}: column {field.name!r} does not fit {field.type}: {col_exc}") from None
         raise ValueError(f"{what}: does not fit the table schema: {exc}") from None
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.tables import (
     append_idempotent,
@@ -125,9 +126,7 @@ def set_rewards(
             "group_id": pa.array([k[0] for k in keys], pa.int64()),
             "sample_index": pa.array([k[1] for k in keys], pa.int64()),
             "reward": pa.array([None if r is None else float(r) for _, _, r, _ in rewards], pa.float64()),
-            "reward_details": pa.array(
-                [_json_text(d, "reward_details") for _, _, _, d in rewards], pa.string()
-            ),
+            "reward_details": pa.array([_json_text(d, "reward_details") for _, _, _, d in rewards], pa.string()),
         }
     )
     # Literals on the partition columns let deltalake prune every other partition before joining.
@@ -142,7 +141,9 @@ def set_rewards(
             dt.merge(source, predicate=predicate, source_alias="s", target_alias="t")
             .when_matched_update(
                 updates={"reward": "s.reward", "reward_details": "s.reward_details"},
-                predicate="(t.reward IS DISTINCT FROM s.reward) OR (t.reward_details IS DISTINCT FROM s.reward_details)",
+                predicate=(
+                    "(t.reward IS DISTINCT FROM s.reward) OR (t.reward_details IS DISTINCT FROM s.reward_details)"
+                ),
             )
             .execute()
         )
@@ -156,9 +157,7 @@ def read_trajectories_keys(store: ObjectStore, run_id: str, step: int) -> set[tu
     table = read_table(
         store, TRAJECTORIES, filters=_partition_filter(run_id, step), columns=["group_id", "sample_index"]
     )
-    return set(
-        zip(table.column("group_id").to_pylist(), table.column("sample_index").to_pylist(), strict=True)
-    )
+    return set(zip(table.column("group_id").to_pylist(), table.column("sample_index").to_pylist(), strict=True))
 
 
 def validate_trajectories(table: pa.Table) -> None:

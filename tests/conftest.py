@@ -6,6 +6,7 @@ import re
 import uuid
 
 import pytest
+
 from sluiceway.infra.s3_server import SeaweedS3
 from sluiceway.storage.object_store import ObjectStore
 

@@ -23,8 +23,9 @@ def test_dr_grpo_does_not_scale_by_std():
 
 
 def test_reinforce_pp_baseline_whitens_the_batch():
-    adv = group_advantages(torch.tensor([3.0, 0.0, 1.0, 0.0]), torch.tensor([0, 0, 1, 1]),
-                           "reinforce_plus_plus_baseline")
+    adv = group_advantages(
+        torch.tensor([3.0, 0.0, 1.0, 0.0]), torch.tensor([0, 0, 1, 1]), "reinforce_plus_plus_baseline"
+    )
     assert abs(adv.mean().item()) < 1e-6 and abs(adv.std(unbiased=False).item() - 1) < 1e-4
 
 
@@ -56,8 +57,13 @@ def test_token_mean_weighs_tokens_and_seq_mean_weighs_sequences():
 
 @pytest.mark.parametrize(
     "text,answer",
-    [("7 + 8 = 15", "15"), ("The answer is 12.", "12"), ("so \\boxed{\\frac{1}{2}} or \\boxed{3}", "3"),
-     ("1,234 apples", "1,234"), ("no digits here", None)],
+    [
+        ("7 + 8 = 15", "15"),
+        ("The answer is 12.", "12"),
+        ("so \\boxed{\\frac{1}{2}} or \\boxed{3}", "3"),
+        ("1,234 apples", "1,234"),
+        ("no digits here", None),
+    ],
 )
 def test_extract_answer(text, answer):
     assert extract_answer(text) == answer

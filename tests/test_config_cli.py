@@ -29,8 +29,11 @@ def test_every_slime_flag_exists():
 
 def test_yaml_then_flags_override(tmp_path):
     f = tmp_path / "run.yaml"
-    f.write_text(yaml.safe_dump({"data": {"prompt_data": "env:arithmetic"}, "rollout": {"num_rollout": 3},
-                                 "training": {"lr": 1e-5}}))
+    f.write_text(
+        yaml.safe_dump(
+            {"data": {"prompt_data": "env:arithmetic"}, "rollout": {"num_rollout": 3}, "training": {"lr": 1e-5}}
+        )
+    )
     cfg = cfg_from(["run", str(f), "--lr", "2e-6", "--apply-chat-template", "--rollout-temperature", "0.9"])
     assert cfg.rollout.num_rollout == 3
     assert cfg.training.lr == 2e-6
@@ -64,8 +67,9 @@ def test_wrong_type_names_the_flag():
 
 
 def sluiceway(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "sluiceway.flows.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "sluiceway.flows.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
 
 
 def assert_one_line_error(proc, *needles):
@@ -79,8 +83,20 @@ def assert_one_line_error(proc, *needles):
 
 @pytest.fixture
 def run_args(tmp_path):
-    return ["--output-dir", str(tmp_path / "run"), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-            "--global-batch-size", "4", "--micro-batch-size", "4", "--num-rollout", "1"]
+    return [
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--micro-batch-size",
+        "4",
+        "--num-rollout",
+        "1",
+    ]
 
 
 def test_cli_violated_invariant(tmp_path, run_args):

@@ -24,11 +24,39 @@ SCORER = str(Path(__file__).parent / "data" / "digit_reward.py") + ":digit_share
 
 def run_cli(run_dir, cache, *extra):
     args = [
-        sys.executable, "-m", "sluiceway.flows.cli", "run", "--prompt-data", "env:arithmetic",
-        "--hf-checkpoint", "tiny-llama", "--output-dir", str(run_dir), "--rollout-batch-size", str(BATCH),
-        "--n-samples-per-prompt", str(N), "--global-batch-size", str(BATCH * N), "--micro-batch-size", "8",
-        "--rollout-max-response-len", "8", "--rollout-temperature", "1.0", "--lr", "1e-3", "--save-interval", "1",
-        "--env-size", "32", "--seed", "3", "--custom-rm-path", SCORER, *extra,
+        sys.executable,
+        "-m",
+        "sluiceway.flows.cli",
+        "run",
+        "--prompt-data",
+        "env:arithmetic",
+        "--hf-checkpoint",
+        "tiny-llama",
+        "--output-dir",
+        str(run_dir),
+        "--rollout-batch-size",
+        str(BATCH),
+        "--n-samples-per-prompt",
+        str(N),
+        "--global-batch-size",
+        str(BATCH * N),
+        "--micro-batch-size",
+        "8",
+        "--rollout-max-response-len",
+        "8",
+        "--rollout-temperature",
+        "1.0",
+        "--lr",
+        "1e-3",
+        "--save-interval",
+        "1",
+        "--env-size",
+        "32",
+        "--seed",
+        "3",
+        "--custom-rm-path",
+        SCORER,
+        *extra,
     ]
     env = dict(os.environ, SLUICEWAY_CACHE=str(cache))
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
@@ -51,7 +79,8 @@ def test_trajectories_are_in_delta(finished_run):
     table = read_trajectories(store, "run")
     assert table.num_rows == 2 * BATCH * N
     assert table.schema.equals(TRAJECTORY_SCHEMA, check_metadata=False) or set(table.schema.names) == set(
-        TRAJECTORY_SCHEMA.names)
+        TRAJECTORY_SCHEMA.names
+    )
     rows = table.to_pylist()
     assert all(r["reward"] is not None and 0.0 <= r["reward"] <= 1.0 for r in rows)
     assert all(len(r["rollout_logprobs"]) == len(r["response_token_ids"]) == len(r["loss_mask"]) for r in rows)

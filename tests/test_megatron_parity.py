@@ -11,6 +11,8 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from sluiceway.models.hf_megatron import (
     hf_to_megatron,
     load_hf_weights,
@@ -26,7 +28,6 @@ from sluiceway.models.megatron_gpt import (
     token_logprobs_and_entropy,
     transformer_config_from_hf,
 )
-from transformers import LlamaConfig, LlamaForCausalLM
 
 # megatron-core 0.16 emits DeprecationWarnings for its own defaults (tp_group=None, ffn_hidden_size): not ours.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -10,8 +10,15 @@ from sluiceway.tasks.rollout.sampler import Sampler, SamplingParams, sample_top_
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -26,7 +33,7 @@ def test_logprobs_match_a_full_forward_pass(model):
         ids = torch.tensor([prompt + c.token_ids])
         with torch.no_grad():
             logits = model(ids).logits[0, len(prompt) - 1 : -1] / 0.7
-        ref = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
+        ref = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None]).squeeze(-1)
         assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-5)
         assert c.finish_reason == "length" and len(c.token_ids) == 6
 
@@ -45,8 +52,9 @@ def test_stop_tokens_end_a_sequence(model):
     sampler = Sampler(model, pad_token_id=0)
     first = sampler.generate([PROMPTS[0]], SamplingParams(max_new_tokens=4, temperature=1.0), seeds=[5])[0]
     stop = first.token_ids[1]
-    c = sampler.generate([PROMPTS[0]], SamplingParams(max_new_tokens=4, temperature=1.0,
-                                                      stop_token_ids=[stop]), seeds=[5])[0]
+    c = sampler.generate(
+        [PROMPTS[0]], SamplingParams(max_new_tokens=4, temperature=1.0, stop_token_ids=[stop]), seeds=[5]
+    )[0]
     assert c.token_ids[-1] == stop and c.finish_reason == "stop"
     assert len(c.token_ids) == first.token_ids.index(stop) + 1
 

@@ -11,6 +11,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
 from sluiceway.flows.errors import UserError
 from sluiceway.storage.datasets import DATASET_SCHEMA, import_prompts, import_records, load_prompts
 from sluiceway.storage.metrics import append_metrics, metrics_frame, read_metrics

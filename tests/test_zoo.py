@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from sluiceway.flows.errors import UserError
 from sluiceway.models.chat import encode_prompt, render_prompt
 from sluiceway.models.tiny import build_tiny_llama
@@ -73,10 +74,7 @@ def test_tiny_loads_and_runs(tiny_dir):
         2,
     )
     assert cfg.vocab_size == len(tok) and 512 <= len(tok) <= 1024
-    assert (
-        cfg.tie_word_embeddings
-        and model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    )
+    assert cfg.tie_word_embeddings and model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert tok.eos_token == "<|im_end|>" and cfg.eos_token_id == tok.eos_token_id
     assert tok.bos_token == tok.pad_token == "<|endoftext|>" and cfg.pad_token_id == tok.pad_token_id
     assert model.generation_config.eos_token_id == tok.eos_token_id

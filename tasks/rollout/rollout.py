@@ -10,7 +10,7 @@ import json
 import random
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from sluiceway.storage.trajectories import append_trajectories, existing_group_ids
 from sluiceway.tasks.rollout.sampler import Sampler, SamplingParams
@@ -53,8 +53,19 @@ class RolloutResult:
 
 
 def run_rollout(
-    *, store, run_id: str, step: int, prompts: list[PromptItem], sampler: Sampler, params: SamplingParams,
-    n_samples: int, seed: int, micro_batch_size: int, decode, engine: str = "embedded", pool: str = "local",
+    *,
+    store,
+    run_id: str,
+    step: int,
+    prompts: list[PromptItem],
+    sampler: Sampler,
+    params: SamplingParams,
+    n_samples: int,
+    seed: int,
+    micro_batch_size: int,
+    decode,
+    engine: str = "embedded",
+    pool: str = "local",
 ) -> RolloutResult:
     done = existing_group_ids(store, run_id, step)
     todo = [g for g in range(len(prompts)) if g not in done]
@@ -67,21 +78,35 @@ def run_rollout(
         seeds = [sample_seed(seed, step, g, i) for g in group_ids for i in range(n_samples)]
         completions = sampler.generate(flat, params, seeds=seeds, micro_batch_size=len(flat))
         rows = []
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         for k, c in enumerate(completions):
             g, i = group_ids[k // n_samples], k % n_samples
             p = prompts[g]
             rows.append(
                 {
-                    "run_id": run_id, "step": step, "group_id": g, "sample_index": i, "prompt_id": p.prompt_id,
-                    "prompt": p.text, "label": p.label, "prompt_token_ids": p.token_ids,
-                    "response_token_ids": c.token_ids, "response_text": decode(c.token_ids),
-                    "rollout_logprobs": c.logprobs, "loss_mask": [1] * len(c.token_ids),
-                    "reward": None, "reward_details": None,
+                    "run_id": run_id,
+                    "step": step,
+                    "group_id": g,
+                    "sample_index": i,
+                    "prompt_id": p.prompt_id,
+                    "prompt": p.text,
+                    "label": p.label,
+                    "prompt_token_ids": p.token_ids,
+                    "response_token_ids": c.token_ids,
+                    "response_text": decode(c.token_ids),
+                    "rollout_logprobs": c.logprobs,
+                    "loss_mask": [1] * len(c.token_ids),
+                    "reward": None,
+                    "reward_details": None,
                     "status": "completed" if c.finish_reason == "stop" else "truncated",
-                    "finish_reason": c.finish_reason, "weight_version": c.weight_version,
-                    "weight_versions": [c.weight_version], "engine": engine, "pool": pool,
-                    "gen_time_s": c.gen_time_s, "created_at": now, "metadata": json.dumps(p.metadata),
+                    "finish_reason": c.finish_reason,
+                    "weight_version": c.weight_version,
+                    "weight_versions": [c.weight_version],
+                    "engine": engine,
+                    "pool": pool,
+                    "gen_time_s": c.gen_time_s,
+                    "created_at": now,
+                    "metadata": json.dumps(p.metadata),
                 }
             )
         app_id = f"rollout/{run_id}/{step}/" + ",".join(map(str, group_ids))

@@ -99,12 +99,15 @@ class Sampler:
         lengths = torch.full((b,), params.max_new_tokens, dtype=torch.long)
         finished = torch.zeros(b, dtype=torch.bool)
         cache = DynamicCache()
-        step_ids, step_attn = input_ids, attn
+        step_ids = input_ids
         for t in range(params.max_new_tokens):
             positions = (attn.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
             logits = self.model(
-                input_ids=step_ids, attention_mask=attn, position_ids=positions,
-                past_key_values=cache, use_cache=True,
+                input_ids=step_ids,
+                attention_mask=attn,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
             ).logits[:, -1, :]
             lp = torch.log_softmax(logits.float() / params.temperature, dim=-1).cpu()
             nxt = sample_top_p(lp, params.top_p, gens)

@@ -19,8 +19,11 @@ def build_train_samples(table: pa.Table, estimator: str, normalize_by_std: bool)
     adv = group_advantages(rewards, groups, estimator, normalize_by_std)
     return [
         TrainSample(
-            prompt_ids=r["prompt_token_ids"], response_ids=r["response_token_ids"], loss_mask=r["loss_mask"],
-            advantage=float(a), rollout_logprobs=r["rollout_logprobs"],
+            prompt_ids=r["prompt_token_ids"],
+            response_ids=r["response_token_ids"],
+            loss_mask=r["loss_mask"],
+            advantage=float(a),
+            rollout_logprobs=r["rollout_logprobs"],
         )
         for r, a in zip(rows, adv.tolist())
         if r["response_token_ids"]  # an empty response has no token to train on

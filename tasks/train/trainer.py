@@ -59,7 +59,11 @@ def collate(samples: list[TrainSample], pad_id: int) -> _MicroBatch:
 
 class PolicyTrainer:
     def __init__(
-        self, hf_dir: str | Path, training: TrainingConfig, algorithm: AlgorithmConfig, temperature: float,
+        self,
+        hf_dir: str | Path,
+        training: TrainingConfig,
+        algorithm: AlgorithmConfig,
+        temperature: float,
         pad_token_id: int,
     ):
         self.training, self.algorithm, self.temperature = training, algorithm, temperature
@@ -87,7 +91,9 @@ class PolicyTrainer:
             load_hf_weights(self.ref_model, hf_state, self.hf_config)
             self.ref_model.eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
-            self.master, lr=training.lr, weight_decay=training.weight_decay,
+            self.master,
+            lr=training.lr,
+            weight_decay=training.weight_decay,
             betas=(training.adam_beta1, training.adam_beta2),
         )
         self.weight_version = 0
@@ -97,7 +103,7 @@ class PolicyTrainer:
 
     def train_rollout(self, samples: list[TrainSample], step: int) -> dict[str, float]:
         """num_steps_per_rollout optimizer steps over one rollout's samples; returns averaged metrics."""
-        t, a = self.training, self.algorithm
+        t = self.training
         order = list(range(len(samples)))
         random.Random(t.seed * 1_000_003 + step).shuffle(order)
         samples = [samples[i] for i in order]
@@ -113,7 +119,8 @@ class PolicyTrainer:
         metrics: dict[str, list[float]] = {}
         for opt_step in range(t.num_steps_per_rollout):
             chunk = range(opt_step * per_step, (opt_step + 1) * per_step)
-            step_metrics = self._optimizer_step([batches[i] for i in chunk], [old_logps[i] for i in chunk] if old_logps else None)
+            old = [old_logps[i] for i in chunk] if old_logps else None
+            step_metrics = self._optimizer_step([batches[i] for i in chunk], old)
             for k, v in step_metrics.items():
                 metrics.setdefault(k, []).append(v)
         self.weight_version += 1
@@ -190,8 +197,10 @@ class PolicyTrainer:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         state = {
-            "model": self.master_state_dict(), "optimizer": self.optimizer.state_dict(),
-            "weight_version": self.weight_version, "step": step,
+            "model": self.master_state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "weight_version": self.weight_version,
+            "step": step,
         }
         torch.save(state, tmp)
         tmp.replace(path)
@@ -201,7 +210,9 @@ class PolicyTrainer:
         missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
-            raise RuntimeError(f"{path}: checkpoint does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+            raise RuntimeError(
+                f"{path}: checkpoint does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
+            )
         with torch.no_grad():
             for n, m in zip(self.param_names, self.master):
                 m.copy_(state["model"][n])
