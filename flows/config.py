@@ -156,8 +156,14 @@ class RunConfig(_Group):
             raise ValueError("GRPO needs n_samples_per_prompt >= 2 (advantages are relative to the group)")
         if self.algorithm.use_kl_loss and self.algorithm.kl_loss_coef == 0.0:
             raise ValueError("use_kl_loss is set but kl_loss_coef is 0: set --kl-loss-coef")
+        res = self.resources
+        if res.tensor_model_parallel_size > 1 or res.pipeline_model_parallel_size > 1:
+            # models/megatron_gpt.py supports TP (tested over gloo); the loop has no multi-rank launcher yet.
+            raise ValueError("tensor/pipeline parallel sizes > 1 need the multi-rank trainer, not available yet")
         if self.data.prompt_data is None:
             raise ValueError("data.prompt_data is required (--prompt-data FILE or env:NAME)")
+        if self.eval.eval_interval and not self.eval.eval_prompt_data:
+            raise ValueError("eval_interval is set but eval_prompt_data is not (--eval-prompt-data FILE or env:NAME)")
         return self
 
     @property

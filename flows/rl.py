@@ -19,6 +19,7 @@ from sluiceway.flows import runtime
 from sluiceway.flows.config import RunConfig
 from sluiceway.storage.metrics import append_metrics
 from sluiceway.storage.trajectories import read_trajectories
+from sluiceway.tasks.evaluate.evaluate import evaluate
 from sluiceway.tasks.reward.score import score_step
 from sluiceway.tasks.rollout.rollout import prompt_indices_for_step, run_rollout
 from sluiceway.tasks.train.batch import build_train_samples, rollout_metrics
@@ -77,6 +78,28 @@ def sync_task(run_id: str, step: int) -> dict:
     return {"weight_version": rt.sampler.weight_version, "checkpoint": str(rt.checkpoint_path) if saved else None}
 
 
+@task(name="evaluate", cache_policy=NO_CACHE, persist_result=False)
+def eval_task(run_id: str, trained_steps: int) -> dict:
+    """Evaluate the weights after `trained_steps` steps; stored under that step with tag 'eval'."""
+    rt = runtime.get(run_id)
+    c = rt.cfg
+    m = evaluate(
+        prompts=rt.prep.eval_prompts,
+        sampler=rt.sampler,
+        params=rt.sampling,
+        scorer=rt.scorer,
+        n_samples=c.eval.n_samples_per_eval_prompt,
+        seed=c.training.seed,
+        micro_batch_size=c.rollout.rollout_micro_batch_size,
+        decode=rt.decode,
+    )
+    append_metrics(rt.store, run_id, trained_steps, m, tag="eval")
+    if not c.logging.quiet:
+        scores = "  ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in m.items() if k != "eval/prompts")
+        print(f"eval after {trained_steps:>3} steps  {scores}", flush=True)
+    return m
+
+
 def format_step(step: int, total: int, m: dict, seconds: float) -> str:
     return (
         f"step {step + 1:>3}/{total}  reward {m['reward_mean']:.3f}  len {m['response_len_mean']:5.1f}"
@@ -95,6 +118,9 @@ def rl_flow(config: dict) -> dict:
     try:
         start = rt.resume()
         total = cfg.rollout.num_rollout
+        interval = cfg.eval.eval_interval
+        if interval and start == 0:
+            eval_task(cfg.run_id, 0)  # the baseline
         for step in range(start, total):
             t0 = time.perf_counter()
             roll = rollout_task(cfg.run_id, step)
@@ -113,6 +139,8 @@ def rl_flow(config: dict) -> dict:
             history.append(m)
             if not cfg.logging.quiet:
                 print(format_step(step, total, m, m["time/step_s"]), flush=True)
+            if interval and ((step + 1) % interval == 0 or step + 1 == total):
+                eval_task(cfg.run_id, step + 1)
     finally:
         runtime.unregister(cfg.run_id)
     return {

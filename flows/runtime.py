@@ -40,11 +40,11 @@ def dataset_table_name(prompt_data: str, env_size: int, seed: int) -> str:
     return f"datasets/{p.stem}-{digest}"
 
 
-def load_dataset(cfg: RunConfig, store: ObjectStore, prompt_data: str, size: int) -> list[dict]:
+def load_dataset(cfg: RunConfig, store: ObjectStore, prompt_data: str, size: int, seed: int) -> list[dict]:
     d = cfg.data
-    name = dataset_table_name(prompt_data, size, cfg.training.seed)
+    name = dataset_table_name(prompt_data, size, seed)
     if prompt_data.startswith("env:"):
-        records = generate_env(prompt_data, size, cfg.training.seed)
+        records = generate_env(prompt_data, size, seed)
         import_records(
             records, store, name, source=prompt_data, input_key="input", label_key="label", metadata_key="metadata"
         )
@@ -92,26 +92,35 @@ class Prepared:
     prompts: list[PromptItem]
     scorer: object
     sampling: SamplingParams
+    eval_prompts: list[PromptItem]
 
 
 def prepare(cfg: RunConfig) -> Prepared:
+    if cfg.resources.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available (use --device cpu)")
     if cfg.resources.num_threads:
         torch.set_num_threads(cfg.resources.num_threads)
     store = ObjectStore.from_uri(cfg.tables_uri, cfg.storage.s3_endpoint_url, cfg.storage.s3_region)
     scorer = get_scorer(cfg.reward.rm_type, cfg.reward.custom_rm_path)
-    rows = load_dataset(cfg, store, cfg.data.prompt_data, cfg.data.env_size)
+    rows = load_dataset(cfg, store, cfg.data.prompt_data, cfg.data.env_size, cfg.training.seed)
     if len(rows) == 0:
         raise UserError(f"--prompt-data {cfg.data.prompt_data}: no prompts")
+    eval_rows = []
+    if cfg.eval.eval_interval:
+        # A generated eval set uses another seed than the training set, so it holds other problems.
+        e = cfg.eval
+        eval_rows = load_dataset(cfg, store, e.eval_prompt_data, e.eval_size, cfg.training.seed + 1)[: e.eval_size]
     hf_dir = resolve_checkpoint(cfg.training.hf_checkpoint)
     tokenizer = load_tokenizer(hf_dir)
     prompts = render_items(cfg, tokenizer, rows)
+    eval_prompts = render_items(cfg, tokenizer, eval_rows)
     sampling = SamplingParams(
         max_new_tokens=cfg.rollout.rollout_max_response_len,
         temperature=cfg.rollout.rollout_temperature,
         top_p=cfg.rollout.rollout_top_p,
         stop_token_ids=stop_token_ids(tokenizer, hf_dir),
     )
-    return Prepared(store, hf_dir, tokenizer, prompts, scorer, sampling)
+    return Prepared(store, hf_dir, tokenizer, prompts, scorer, sampling, eval_prompts)
 
 
 @dataclass
@@ -139,8 +148,12 @@ class Runtime:
         prep = prep or prepare(cfg)
         tok = prep.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        sampler = Sampler(load_hf_model(prep.hf_dir), pad, dtype=torch.bfloat16 if cfg.training.bf16 else None)
-        trainer = PolicyTrainer(prep.hf_dir, cfg.training, cfg.algorithm, cfg.rollout.rollout_temperature, pad)
+        device = torch.device(cfg.resources.device)
+        dtype = torch.bfloat16 if cfg.training.bf16 else None
+        sampler = Sampler(load_hf_model(prep.hf_dir).to(device), pad, dtype=dtype)
+        trainer = PolicyTrainer(
+            prep.hf_dir, cfg.training, cfg.algorithm, cfg.rollout.rollout_temperature, pad, device=device
+        )
         return cls(cfg, run_dir, prep, sampler, trainer)
 
     def decode(self, ids: list[int]) -> str:

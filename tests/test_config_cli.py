@@ -125,3 +125,10 @@ def test_cli_missing_label_key(tmp_path, run_args):
     data.write_text('{"input": "1+1?", "label": "2"}\n{"input": "2+2?", "answer": "4"}\n')
     proc = sluiceway("run", "--prompt-data", str(data), *run_args, cwd=tmp_path)
     assert_one_line_error(proc, "prompts.jsonl", ":2", "label")
+
+
+def test_configuration_reference_is_current():
+    from sluiceway.flows.config_docs import render_markdown
+
+    doc = Path(__file__).parents[1] / "docs" / "configuration.md"
+    assert doc.read_text() == render_markdown(), "regenerate: python -m sluiceway.flows.config_docs"

@@ -22,7 +22,7 @@ BATCH, N = 4, 4  # prompts per step, samples per prompt
 SCORER = str(Path(__file__).parent / "data" / "digit_reward.py") + ":digit_share"
 
 
-def run_cli(run_dir, cache, *extra):
+def run_cli(run_dir, cache, *extra, env=None):
     args = [
         sys.executable,
         "-m",
@@ -58,7 +58,7 @@ def run_cli(run_dir, cache, *extra):
         SCORER,
         *extra,
     ]
-    env = dict(os.environ, SLUICEWAY_CACHE=str(cache))
+    env = dict(os.environ, SLUICEWAY_CACHE=str(cache), **(env or {}))
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
@@ -68,7 +68,20 @@ def run_cli(run_dir, cache, *extra):
 def finished_run(tmp_path_factory):
     base = tmp_path_factory.mktemp("e2e")
     run_dir, cache = base / "run", base / "cache"
-    proc = run_cli(run_dir, cache, "--num-rollout", "2")
+    proc = run_cli(
+        run_dir,
+        cache,
+        "--num-rollout",
+        "2",
+        "--eval-interval",
+        "2",
+        "--eval-prompt-data",
+        "env:arithmetic",
+        "--eval-size",
+        "4",
+        "--n-samples-per-eval-prompt",
+        "2",
+    )
     return run_dir, cache, proc
 
 
@@ -107,6 +120,15 @@ def test_metrics_per_step(finished_run):
     assert {r["value"] for r in m if r["name"] == "weight_version"} == {1.0, 2.0}
 
 
+def test_evaluation_before_and_after_training(finished_run):
+    run_dir, _, proc = finished_run
+    assert "eval after   0 steps" in proc.stdout and "eval after   2 steps" in proc.stdout
+    m = read_metrics(ObjectStore.from_uri(str(run_dir / "tables")), "run").to_pylist()
+    evals = {r["step"]: r["value"] for r in m if r["name"] == "eval/pass@2"}
+    assert set(evals) == {0, 2} and all(0.0 <= v <= 1.0 for v in evals.values())
+    assert {r["value"] for r in m if r["name"] == "eval/prompts"} == {4.0}
+
+
 def test_policy_weights_changed(finished_run):
     run_dir, cache, _ = finished_run
     hf_dir = resolve_checkpoint("tiny-llama", cache_dir=cache)
@@ -125,3 +147,25 @@ def test_rerun_resumes_from_checkpoint_and_table(finished_run):
     table = read_trajectories(ObjectStore.from_uri(str(run_dir / "tables")), "run")
     assert table.num_rows == 3 * BATCH * N  # steps 0 and 1 were not generated again
     assert set(table.column("weight_version").to_pylist()) == {0, 1, 2}
+
+
+def test_tables_on_s3(tmp_path, s3_server):
+    """--storage-uri s3://...: the same run with its tables on a real S3 server; credentials from the env."""
+    uri = f"s3://{s3_server.bucket}/e2e-run"
+    proc = run_cli(
+        tmp_path / "run", tmp_path / "cache", "--num-rollout", "1", "--storage-uri", uri, env=s3_server.env()
+    )
+    assert "step   1/1  reward" in proc.stdout
+    assert s3_server.secret_key not in proc.stdout + proc.stderr
+    assert not (tmp_path / "run" / "tables").exists()
+    old = {k: os.environ.get(k) for k in s3_server.env()}
+    os.environ.update(s3_server.env())
+    try:
+        table = read_trajectories(ObjectStore.from_uri(uri), "run")
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    assert table.num_rows == BATCH * N
+    # Prefect's record of the flow run holds the config, never the credentials.
+    db = (tmp_path / "run" / "prefect" / "prefect.db").read_bytes()
+    assert s3_server.secret_key.encode() not in db and s3_server.access_key.encode() not in db

@@ -39,6 +39,9 @@ class _MicroBatch:
     advantages: torch.Tensor  # [b, s-1]
     rollout_logp: torch.Tensor  # [b, s-1]
 
+    def to(self, device: torch.device) -> _MicroBatch:
+        return _MicroBatch(*(t.to(device) for t in (self.input_ids, self.mask, self.advantages, self.rollout_logp)))
+
 
 def collate(samples: list[TrainSample], pad_id: int) -> _MicroBatch:
     width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
@@ -65,14 +68,16 @@ class PolicyTrainer:
         algorithm: AlgorithmConfig,
         temperature: float,
         pad_token_id: int,
+        device: torch.device | str = "cpu",
     ):
         self.training, self.algorithm, self.temperature = training, algorithm, temperature
         self.pad_token_id = pad_token_id
+        self.device = torch.device(device)
         self.hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
         init_parallel_state()
         torch.manual_seed(training.seed)
         dtype = torch.bfloat16 if training.bf16 else torch.float32
-        self.model = build_gpt_model(self.hf_config, dtype=dtype)
+        self.model = build_gpt_model(self.hf_config, dtype=dtype, device=self.device)
         hf_state = load_hf_state_dict(hf_dir)
         load_hf_weights(self.model, hf_state, self.hf_config)
         self.mixed_precision = training.bf16
@@ -81,13 +86,13 @@ class PolicyTrainer:
         if self.mixed_precision:
             # Masters come from the original fp32 weights, not from their bf16 rounding.
             full = hf_to_megatron(hf_state, self.hf_config)
-            self.master = [full[n].detach().float().clone() for n in self.param_names]
+            self.master = [full[n].detach().float().to(self.device).clone() for n in self.param_names]
         else:
             self.master = params  # fp32: the model's parameters are the master weights
         self.ref_model = None
         if algorithm.use_kl_loss:
             # A second model, not a deepcopy: megatron modules hold process groups, which do not copy.
-            self.ref_model = build_gpt_model(self.hf_config, dtype=dtype)
+            self.ref_model = build_gpt_model(self.hf_config, dtype=dtype, device=self.device)
             load_hf_weights(self.ref_model, hf_state, self.hf_config)
             self.ref_model.eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
@@ -108,7 +113,9 @@ class PolicyTrainer:
         random.Random(t.seed * 1_000_003 + step).shuffle(order)
         samples = [samples[i] for i in order]
         mbs = t.micro_batch_size
-        batches = [collate(samples[i : i + mbs], self.pad_token_id) for i in range(0, len(samples), mbs)]
+        batches = [
+            collate(samples[i : i + mbs], self.pad_token_id).to(self.device) for i in range(0, len(samples), mbs)
+        ]
         # With one optimizer step per rollout the policy is unchanged until the step, so the old log-probs
         # are the current ones, detached (ratio = 1 exactly). Otherwise compute them once, up front.
         old_logps = None

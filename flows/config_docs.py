@@ -1,0 +1,41 @@
+"""Render the configuration reference (docs/configuration.md) from the config models themselves.
+
+python -m sluiceway.flows.config_docs > docs/configuration.md
+"""
+
+from __future__ import annotations
+
+from pydantic_core import PydanticUndefined
+
+from sluiceway.flows.config import RunConfig
+
+
+def _default(field) -> str:
+    if field.default is PydanticUndefined:
+        return "(required)"
+    return "`null`" if field.default is None else f"`{field.default}`"
+
+
+def render_markdown() -> str:
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from `flows/config.py` by `python -m sluiceway.flows.config_docs`; do not edit by hand.",
+        "",
+        "A run config is YAML with one mapping per group; every field is also a command-line flag",
+        "(`rollout_batch_size` -> `--rollout-batch-size`, booleans as `--flag` / `--no-flag`). Flags override",
+        "the YAML. Names follow slime's arguments where slime has one.",
+        "",
+    ]
+    for group, info in RunConfig.model_fields.items():
+        model = info.annotation
+        lines += [f"## `{group}`", "", "| flag | default | meaning |", "| --- | --- | --- |"]
+        for name, f in model.model_fields.items():
+            desc = (f.description or "").replace("|", "\\|")
+            lines.append(f"| `--{name.replace('_', '-')}` | {_default(f)} | {desc} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(render_markdown(), end="")
