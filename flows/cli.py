@@ -3,6 +3,7 @@
     sluiceway run [CONFIG.yaml] [--flag value ...]   train (flags override the YAML)
     sluiceway config [CONFIG.yaml] [flags]           print the resolved config as YAML
     sluiceway models                                 list the model zoo
+    sluiceway engine --model NAME_OR_DIR [--port N]  serve the embedded engine (SGLang's HTTP API)
 
 Every config field is a flag named after it (`rollout_batch_size` -> `--rollout-batch-size`), which gives
 slime's names for the fields slime has. A user mistake prints one line and exits 2, never a traceback.
@@ -52,6 +53,9 @@ def _add_field_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs: dict = {"dest": f"{group}.{name}", "default": argparse.SUPPRESS, "help": f.description}
             if inner == [bool]:
                 kwargs["action"] = argparse.BooleanOptionalAction
+            elif get_origin(inner[0]) is list:
+                kwargs["nargs"] = "+"
+                kwargs["metavar"] = get_args(inner[0])[0].__name__.upper()
             elif get_origin(inner[0]) is Literal:
                 kwargs["choices"] = list(get_args(inner[0]))
             else:
@@ -67,6 +71,15 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument("config_file", nargs="?", help="YAML run config (flags override it)")
         _add_field_arguments(p)
     sub.add_parser("models", help="list the model zoo")
+    eng = sub.add_parser("engine", help="serve the embedded rollout engine (SGLang's native HTTP API)")
+    eng.add_argument("--model", required=True, help="zoo name or HF model directory")
+    eng.add_argument("--host", default="127.0.0.1")
+    eng.add_argument("--port", type=int, default=30000)
+    eng.add_argument("--max-running-requests", type=int, default=64)
+    eng.add_argument("--max-total-len", type=int, default=1024, help="prompt + response tokens per request")
+    eng.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    eng.add_argument("--weight-version", default="0")
+    eng.add_argument("--seed", type=int, default=None, help="base seed for requests without sampling_seed")
     return parser
 
 
@@ -84,6 +97,22 @@ def main(argv: list[str] | None = None) -> int:
 
             for name, entry in ZOO.items():
                 print(f"{name:24s} {entry.description}")
+            return 0
+        if args.command == "engine":
+            from sluiceway.infra.engine.server import serve
+
+            if args.max_running_requests < 1 or args.max_total_len < 2:
+                raise UserError("engine: --max-running-requests must be >= 1 and --max-total-len >= 2")
+            serve(
+                args.model,
+                host=args.host,
+                port=args.port,
+                max_running_requests=args.max_running_requests,
+                max_total_len=args.max_total_len,
+                dtype=args.dtype,
+                weight_version=args.weight_version,
+                seed=args.seed,
+            )
             return 0
         cfg = resolve_config(args)
         if args.command == "config":

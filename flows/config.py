@@ -22,7 +22,9 @@ class _Group(BaseModel):
 
 
 class ResourcesConfig(_Group):
-    device: Literal["cpu", "cuda"] = Field("cpu", description="Where the trainer and the embedded sampler run.")
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="Where the trainer runs (embedded engines run on the CPU)."
+    )
     tensor_model_parallel_size: int = Field(1, ge=1, description="Megatron tensor parallel size.")
     pipeline_model_parallel_size: int = Field(1, ge=1, description="Megatron pipeline parallel size.")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice).")
@@ -49,7 +51,29 @@ class RolloutConfig(_Group):
     rollout_max_prompt_len: int = Field(256, ge=1, description="Prompts longer than this (in tokens) are an error.")
     rollout_temperature: float = Field(0.7, gt=0.0, description="Sampling temperature.")
     rollout_top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
-    rollout_micro_batch_size: int = Field(64, ge=1, description="Sequences generated together by the sampler.")
+    rollout_max_concurrency: int = Field(64, ge=1, description="Generate requests in flight at once, over all engines.")
+    over_sampling_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Groups submitted per step (>= rollout_batch_size); the rest are aborted once "
+        "rollout_batch_size groups have finished. Default: rollout_batch_size.",
+    )
+    partial_rollout: bool = Field(
+        False, description="Continue aborted groups in the next step from their partial tokens (APRIL)."
+    )
+    mask_offpolicy_in_partial_rollout: bool = Field(
+        False, description="Leave the tokens a partial rollout got from older weights out of the loss."
+    )
+    custom_generate_function_path: str | None = Field(
+        None,
+        description="'module:fn' or 'file.py:fn': an async function driving multi-turn generation "
+        "(see tasks/rollout/multiturn.py).",
+    )
+    rollout_num_engines: int = Field(1, ge=0, description="Embedded engines to start behind the router.")
+    rollout_external_engine_addrs: list[str] | None = Field(
+        None, description="URLs of engines someone else runs (SGLang servers or `sluiceway engine`) to attach."
+    )
+    engine_max_running_requests: int = Field(64, ge=1, description="Sequences each embedded engine decodes at once.")
 
 
 class RewardConfig(_Group):
@@ -106,8 +130,10 @@ class StorageSettings(_Group):
 
 
 class SyncConfig(_Group):
-    sync_mode: Literal["in_process"] = Field(
-        "in_process", description="How new weights reach the sampler (engines over HTTP come later)."
+    sync_mode: Literal["disk"] = Field(
+        "disk",
+        description="How new weights reach the engines: 'disk' writes HF safetensors under the run "
+        "directory and calls each engine's /update_weights_from_disk (deltas on object storage come later).",
     )
 
 
@@ -156,6 +182,15 @@ class RunConfig(_Group):
             raise ValueError("GRPO needs n_samples_per_prompt >= 2 (advantages are relative to the group)")
         if self.algorithm.use_kl_loss and self.algorithm.kl_loss_coef == 0.0:
             raise ValueError("use_kl_loss is set but kl_loss_coef is 0: set --kl-loss-coef")
+        if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
+            raise ValueError(
+                f"over_sampling_batch_size ({r.over_sampling_batch_size}) must be >= rollout_batch_size"
+                f" ({r.rollout_batch_size})"
+            )
+        if r.partial_rollout and r.custom_generate_function_path:
+            raise ValueError("partial_rollout cannot continue custom (multi-turn) generations: use one or the other")
+        if r.rollout_num_engines == 0 and not r.rollout_external_engine_addrs:
+            raise ValueError("no engines: set rollout_num_engines >= 1 or rollout_external_engine_addrs")
         res = self.resources
         if res.tensor_model_parallel_size > 1 or res.pipeline_model_parallel_size > 1:
             # models/megatron_gpt.py supports TP (tested over gloo); the loop has no multi-rank launcher yet.

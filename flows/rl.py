@@ -21,7 +21,7 @@ from sluiceway.storage.metrics import append_metrics
 from sluiceway.storage.trajectories import read_trajectories
 from sluiceway.tasks.evaluate.evaluate import evaluate
 from sluiceway.tasks.reward.score import score_step
-from sluiceway.tasks.rollout.rollout import prompt_indices_for_step, run_rollout
+from sluiceway.tasks.rollout.rollout import plan_step, prompt_indices_for_step, run_rollout
 from sluiceway.tasks.train.batch import build_train_samples, rollout_metrics
 
 # The model state lives in the process, so Prefect must not cache these tasks; idempotency comes from
@@ -31,19 +31,13 @@ from sluiceway.tasks.train.batch import build_train_samples, rollout_metrics
 @task(name="rollout", cache_policy=NO_CACHE, persist_result=False)
 def rollout_task(run_id: str, step: int) -> dict:
     rt = runtime.get(run_id)
-    c = rt.cfg
-    idx = prompt_indices_for_step(len(rt.prompts), step, c.rollout.rollout_batch_size, c.training.seed)
-    res = run_rollout(
-        store=rt.store,
-        run_id=run_id,
-        step=step,
-        prompts=[rt.prompts[i] for i in idx],
-        sampler=rt.sampler,
-        params=rt.sampling,
-        n_samples=c.rollout.n_samples_per_prompt,
-        seed=c.training.seed,
-        micro_batch_size=c.rollout.rollout_micro_batch_size,
-        decode=rt.decode,
+    s = rt.settings
+    idx = prompt_indices_for_step(len(rt.prompts), step, s.groups_submitted, rt.cfg.training.seed)
+    work = plan_step(rt.store, run_id, step, [rt.prompts[i] for i in idx], s, rt.prompts)
+    res = rt.engines.run(
+        run_rollout(
+            client=rt.engines.client, store=rt.store, run_id=run_id, step=step, work=work, settings=s, decode=rt.decode
+        )
     )
     return dataclasses.asdict(res)
 
@@ -68,14 +62,18 @@ def train_task(run_id: str, step: int) -> dict:
 
 @task(name="sync", cache_policy=NO_CACHE, persist_result=False)
 def sync_task(run_id: str, step: int) -> dict:
-    """Hand the new weights to the sampler, and checkpoint when the save interval says so."""
+    """Publish the new weights to every engine, and checkpoint when the save interval says so."""
     rt = runtime.get(run_id)
-    rt.sampler.update_weights(rt.trainer.hf_state_dict(), rt.trainer.weight_version)
+    path = rt.sync_weights()
     interval = rt.cfg.training.save_interval
     saved = bool(interval and ((step + 1) % interval == 0 or step + 1 == rt.cfg.rollout.num_rollout))
     if saved:
         rt.trainer.save(rt.checkpoint_path, step)
-    return {"weight_version": rt.sampler.weight_version, "checkpoint": str(rt.checkpoint_path) if saved else None}
+    return {
+        "weight_version": rt.trainer.weight_version,
+        "weights": str(path),
+        "checkpoint": str(rt.checkpoint_path) if saved else None,
+    }
 
 
 @task(name="evaluate", cache_policy=NO_CACHE, persist_result=False)
@@ -83,15 +81,16 @@ def eval_task(run_id: str, trained_steps: int) -> dict:
     """Evaluate the weights after `trained_steps` steps; stored under that step with tag 'eval'."""
     rt = runtime.get(run_id)
     c = rt.cfg
-    m = evaluate(
-        prompts=rt.prep.eval_prompts,
-        sampler=rt.sampler,
-        params=rt.sampling,
-        scorer=rt.scorer,
-        n_samples=c.eval.n_samples_per_eval_prompt,
-        seed=c.training.seed,
-        micro_batch_size=c.rollout.rollout_micro_batch_size,
-        decode=rt.decode,
+    m = rt.engines.run(
+        evaluate(
+            client=rt.engines.client,
+            prompts=rt.prep.eval_prompts,
+            settings=rt.settings,
+            scorer=rt.scorer,
+            n_samples=c.eval.n_samples_per_eval_prompt,
+            tag=f"{run_id}/{trained_steps}",
+            decode=rt.decode,
+        )
     )
     append_metrics(rt.store, run_id, trained_steps, m, tag="eval")
     if not c.logging.quiet:
@@ -132,6 +131,7 @@ def rl_flow(config: dict) -> dict:
                     "time/step_s": time.perf_counter() - t0,
                     "time/rollout_s": roll["gen_time_s"],
                     "rollout/groups_skipped": float(roll["groups_skipped"]),
+                    "rollout/groups_aborted": float(roll["groups_aborted"]),
                     "reward/errors": float(rew["errors"]),
                 }
             )
@@ -143,6 +143,7 @@ def rl_flow(config: dict) -> dict:
                 eval_task(cfg.run_id, step + 1)
     finally:
         runtime.unregister(cfg.run_id)
+        rt.close()
     return {
         "run_id": cfg.run_id,
         "steps": len(history),

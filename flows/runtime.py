@@ -1,4 +1,4 @@
-"""What a run holds in memory between stages: store, tokenizer, prompts, sampler, trainer, scorer.
+"""What a run holds in memory between stages: store, tokenizer, prompts, engines, trainer, scorer.
 
 Prefect task parameters must stay small and JSON-able (DESIGN.md), so tasks receive (run_id, step) and
 find the live objects here. Everything durable -- data, trajectories, rewards, metrics, checkpoints --
@@ -15,15 +15,17 @@ from pathlib import Path
 import torch
 
 from sluiceway.flows.config import RunConfig
+from sluiceway.flows.engines import RolloutEngines
 from sluiceway.flows.errors import UserError
 from sluiceway.models.chat import encode_prompt, render_prompt
-from sluiceway.models.zoo import load_hf_model, load_tokenizer, resolve_checkpoint
+from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.storage.datasets import import_prompts, import_records, load_prompts
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.tasks.environments import generate_env
 from sluiceway.tasks.reward.scorers import get_scorer
-from sluiceway.tasks.rollout.rollout import PromptItem
-from sluiceway.tasks.rollout.sampler import Sampler, SamplingParams
+from sluiceway.tasks.rollout.multiturn import load_custom_generate
+from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings
+from sluiceway.tasks.sync.disk import write_weight_version
 from sluiceway.tasks.train.trainer import PolicyTrainer
 
 log = logging.getLogger("sluiceway")
@@ -91,7 +93,7 @@ class Prepared:
     tokenizer: object
     prompts: list[PromptItem]
     scorer: object
-    sampling: SamplingParams
+    settings: RolloutSettings
     eval_prompts: list[PromptItem]
 
 
@@ -114,13 +116,17 @@ def prepare(cfg: RunConfig) -> Prepared:
     tokenizer = load_tokenizer(hf_dir)
     prompts = render_items(cfg, tokenizer, rows)
     eval_prompts = render_items(cfg, tokenizer, eval_rows)
-    sampling = SamplingParams(
-        max_new_tokens=cfg.rollout.rollout_max_response_len,
-        temperature=cfg.rollout.rollout_temperature,
-        top_p=cfg.rollout.rollout_top_p,
-        stop_token_ids=stop_token_ids(tokenizer, hf_dir),
-    )
-    return Prepared(store, hf_dir, tokenizer, prompts, scorer, sampling, eval_prompts)
+    r = cfg.rollout
+    settings = RolloutSettings(
+        n_samples=r.n_samples_per_prompt, max_new_tokens=r.rollout_max_response_len,
+        temperature=r.rollout_temperature, top_p=r.rollout_top_p, stop_token_ids=stop_token_ids(tokenizer, hf_dir),
+        seed=cfg.training.seed, groups_needed=r.rollout_batch_size,
+        groups_submitted=r.over_sampling_batch_size or r.rollout_batch_size, max_concurrency=r.rollout_max_concurrency,
+        partial_rollout=r.partial_rollout, mask_offpolicy=r.mask_offpolicy_in_partial_rollout,
+        custom_generate=load_custom_generate(r.custom_generate_function_path) if r.custom_generate_function_path
+        else None, tokenizer=tokenizer,
+    )  # fmt: skip
+    return Prepared(store, hf_dir, tokenizer, prompts, scorer, settings, eval_prompts)
 
 
 @dataclass
@@ -128,14 +134,14 @@ class Runtime:
     cfg: RunConfig
     run_dir: Path
     prep: Prepared
-    sampler: Sampler
+    engines: RolloutEngines
     trainer: PolicyTrainer
 
     # Shortcuts used by the stages.
     store = property(lambda self: self.prep.store)
     prompts = property(lambda self: self.prep.prompts)
     scorer = property(lambda self: self.prep.scorer)
-    sampling = property(lambda self: self.prep.sampling)
+    settings = property(lambda self: self.prep.settings)
 
     @property
     def checkpoint_path(self) -> Path:
@@ -149,12 +155,25 @@ class Runtime:
         tok = prep.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         device = torch.device(cfg.resources.device)
-        dtype = torch.bfloat16 if cfg.training.bf16 else None
-        sampler = Sampler(load_hf_model(prep.hf_dir).to(device), pad, dtype=dtype)
         trainer = PolicyTrainer(
             prep.hf_dir, cfg.training, cfg.algorithm, cfg.rollout.rollout_temperature, pad, device=device
         )
-        return cls(cfg, run_dir, prep, sampler, trainer)
+        engines = RolloutEngines(cfg, prep.hf_dir, run_dir)
+        return cls(cfg, run_dir, prep, engines, trainer)
+
+    def close(self) -> None:
+        self.engines.close()
+
+    def sync_weights(self) -> Path:
+        """Publish the trainer's current weights as a model directory and load it on every engine."""
+        path = write_weight_version(
+            self.trainer.hf_state_dict(include_tied_lm_head=False),
+            self.prep.hf_dir,
+            self.run_dir / "weights",
+            self.trainer.weight_version,
+        )
+        self.engines.update_weights(path, self.trainer.weight_version)
+        return path
 
     def decode(self, ids: list[int]) -> str:
         return self.prep.tokenizer.decode(ids, skip_special_tokens=True)
@@ -164,7 +183,7 @@ class Runtime:
         if not self.checkpoint_path.exists():
             return 0
         step = self.trainer.load(self.checkpoint_path)
-        self.sampler.update_weights(self.trainer.hf_state_dict(), self.trainer.weight_version)
+        self.sync_weights()
         log.info(
             "resumed from %s (step %d, weight version %d)", self.checkpoint_path, step, self.trainer.weight_version
         )

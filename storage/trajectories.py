@@ -55,18 +55,26 @@ TRAJECTORY_SCHEMA = pa.schema(
         pa.field("gen_time_s", pa.float64(), nullable=False),
         pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
         pa.field("metadata", pa.string(), nullable=False),  # JSON object
+        # null: the group is trained on; else why not ("surplus" beyond the step's need, a filter's name, ...)
+        pa.field("filter_reason", pa.string()),
     ]
 )
 
 # Fields a caller may leave out of a row dict, and what they become.
-_ROW_DEFAULTS: dict[str, Any] = {"label": None, "reward": None, "reward_details": None, "metadata": "{}"}
+_ROW_DEFAULTS: dict[str, Any] = {
+    "label": None,
+    "reward": None,
+    "reward_details": None,
+    "metadata": "{}",
+    "filter_reason": None,
+}
 _JSON_FIELDS = ("reward_details", "metadata")
 
 
 def append_trajectories(store: ObjectStore, rows: list[dict[str, Any]] | pa.Table, app_id: str) -> bool:
     """Validate and append one batch of samples; False when a batch with ``app_id`` was already written.
 
-    Row dicts may omit ``label``, ``reward``, ``reward_details`` (null), ``metadata`` (``"{}"``) and
+    Row dicts may omit ``label``, ``reward``, ``reward_details``, ``filter_reason`` (null), ``metadata`` (``"{}"``) and
     ``created_at`` (now); ``metadata`` and ``reward_details`` may be dicts (stored as JSON). Raises
     ValueError naming the row and field when a row does not fit :data:`TRAJECTORY_SCHEMA`.
     """

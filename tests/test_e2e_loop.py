@@ -18,8 +18,8 @@ from sluiceway.storage.trajectories import TRAJECTORY_SCHEMA, read_trajectories
 
 BATCH, N = 4, 4  # prompts per step, samples per prompt
 # An untrained tiny model never answers arithmetic right: every group would have zero reward spread and
-# GRPO no gradient. The share of digits in the answer varies from sample to sample.
-SCORER = str(Path(__file__).parent / "data" / "digit_reward.py") + ":digit_share"
+# GRPO no gradient. The share of vowels in the answer varies from sample to sample.
+SCORER = str(Path(__file__).parent / "data" / "noise_rewards.py") + ":vowel_share"
 
 
 def run_cli(run_dir, cache, *extra, env=None):

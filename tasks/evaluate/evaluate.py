@@ -1,4 +1,4 @@
-"""Evaluation without Prefect: sample held-out prompts with the current weights and score them.
+"""Evaluation without Prefect: sample held-out prompts through the engines and score them.
 
 A sample passes when it earns full reward (>= 1.0); pass@n is the share of prompts with at least one
 passing sample among n. Seeds are fixed per (prompt, sample), so the same weights give the same numbers.
@@ -6,33 +6,44 @@ passing sample among n. Seeds are fixed per (prompt, sample), so the same weight
 
 from __future__ import annotations
 
-from sluiceway.tasks.rollout.rollout import PromptItem, sample_seed
-from sluiceway.tasks.rollout.sampler import Sampler, SamplingParams
+import asyncio
 
-EVAL_STEP = -1  # seeds for evaluation never collide with a training step's
+from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings, sample_seed
+
+EVAL_STEP = 999_983  # seeds for evaluation never collide with a training step's
 
 
-def evaluate(
+async def evaluate(
     *,
+    client,
     prompts: list[PromptItem],
-    sampler: Sampler,
-    params: SamplingParams,
+    settings: RolloutSettings,
     scorer,
     n_samples: int,
-    seed: int,
-    micro_batch_size: int,
+    tag: str,
     decode,
 ) -> dict[str, float]:
-    flat = [p for p in prompts for _ in range(n_samples)]
-    seeds = [sample_seed(seed, EVAL_STEP, g, i) for g in range(len(prompts)) for i in range(n_samples)]
-    completions = sampler.generate([p.token_ids for p in flat], params, seeds, micro_batch_size)
-    rewards = []
-    for p, c in zip(flat, completions):
+    s = settings
+    sem = asyncio.Semaphore(s.max_concurrency)
+
+    async def one(g: int, i: int) -> float:
+        p = prompts[g]
+        params = {
+            "max_new_tokens": s.max_new_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "stop_token_ids": s.stop_token_ids,
+            "sampling_seed": sample_seed(s.seed, EVAL_STEP, g, i),
+        }
+        async with sem:
+            res = await client.generate(p.token_ids, params, rid=f"eval/{tag}/{g}/{i}")
         try:
-            reward, _ = scorer(decode(c.token_ids), p.label, {"prompt": p.text, "metadata": p.metadata})
+            reward, _ = scorer(decode(res.token_ids), p.label, {"prompt": p.text, "metadata": p.metadata})
         except Exception:  # a scorer failure counts as a miss, as in training
             reward = 0.0
-        rewards.append(float(reward))
+        return float(reward)
+
+    rewards = await asyncio.gather(*(one(g, i) for g in range(len(prompts)) for i in range(n_samples)))
     passed = [any(r >= 1.0 for r in rewards[g * n_samples : (g + 1) * n_samples]) for g in range(len(prompts))]
     return {
         "eval/reward_mean": sum(rewards) / max(len(rewards), 1),

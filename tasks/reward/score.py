@@ -22,7 +22,8 @@ class RewardResult:
 
 def score_step(*, store, run_id: str, step: int, scorer) -> RewardResult:
     rows = read_trajectories(store, run_id, step).to_pylist()
-    pending = [r for r in rows if r["reward"] is None]
+    # Aborted rows are unfinished partials: they are scored in the step that completes them.
+    pending = [r for r in rows if r["reward"] is None and r["status"] != "aborted"]
     updates, errors = [], 0
     for r in pending:
         try:

@@ -1,19 +1,27 @@
-"""The rollout stage, without Prefect: generate a step's groups and append them to the trajectory table.
+"""The rollout stage, without Prefect: generate a step's groups through engines and append them to the table.
 
-Groups go to the table as soon as a micro-batch of them finishes, so a crash loses at most the groups in
-flight, and a re-run generates only the groups the table does not hold yet.
+- Every sample is one `/generate` request with a deterministic `rid` and `sampling_seed`; results are
+  keyed by rid, so a request the router re-ran on another engine is counted once.
+- A group goes to the table as soon as its samples finish: a crash loses at most the groups in flight,
+  and a re-run of the step generates only the groups the table lacks.
+- Over-sampling: more groups are submitted than the step needs; once enough have finished (and passed the
+  group filter, if any), the rest are aborted. Aborted samples keep the tokens generated so far, with the
+  weight version that made them, as `aborted` rows; with `partial_rollout` the next step continues them
+  from those tokens under the new weights (APRIL), optionally masking the old-policy tokens out of the loss.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from sluiceway.storage.trajectories import append_trajectories, existing_group_ids
-from sluiceway.tasks.rollout.sampler import Sampler, SamplingParams
+from sluiceway.storage.trajectories import append_trajectories, read_trajectories
+from sluiceway.tasks.rollout.multiturn import GenerateContext
 
 
 @dataclass
@@ -40,76 +48,224 @@ def prompt_indices_for_step(n_prompts: int, step: int, batch_size: int, seed: in
 
 
 def sample_seed(seed: int, step: int, group_id: int, sample_index: int) -> int:
-    return (seed * 1_000_003 + step * 10_007 + group_id * 101 + sample_index) % (2**63)
+    return (seed * 1_000_003 + step * 10_007 + group_id * 101 + sample_index) % (2**31)
+
+
+def request_id(run_id: str, step: int, group_id: int, sample_index: int) -> str:
+    return f"{run_id}/{step}/{group_id}/{sample_index}"
+
+
+@dataclass
+class Partial:
+    """Tokens a sample already has from an aborted earlier attempt (empty for a fresh sample)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    from_step: int | None = None
+
+
+@dataclass
+class GroupWork:
+    group_id: int
+    prompt: PromptItem
+    partials: list[Partial]  # one per sample
+
+
+@dataclass
+class RolloutSettings:
+    n_samples: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    stop_token_ids: list[int]
+    seed: int
+    groups_needed: int  # groups the step trains on
+    groups_submitted: int  # >= groups_needed: over-sampling
+    max_concurrency: int = 64
+    partial_rollout: bool = False
+    mask_offpolicy: bool = False
+    custom_generate: Callable | None = None  # see tasks/rollout/multiturn.py
+    tokenizer: object = None  # for custom generate functions
 
 
 @dataclass
 class RolloutResult:
     step: int
-    groups_generated: int
-    groups_skipped: int
+    groups_completed: int  # finished groups in the table for this step (this run and earlier attempts)
+    groups_aborted: int
+    groups_skipped: int  # already in the table before this call
     samples_written: int
     gen_time_s: float
 
 
-def run_rollout(
+def carried_over(store, run_id: str, step: int, prompts_by_id: dict[str, PromptItem]) -> list[GroupWork]:
+    """The previous step's aborted groups, to be continued first in this step."""
+    if step == 0:
+        return []
+    prev = read_trajectories(store, run_id, step - 1).to_pylist()
+    groups: dict[int, list[dict]] = {}
+    for r in prev:
+        if r["status"] == "aborted":
+            groups.setdefault(r["group_id"], []).append(r)
+    work = []
+    for g in sorted(groups):
+        rows = sorted(groups[g], key=lambda r: r["sample_index"])
+        prompt = prompts_by_id.get(rows[0]["prompt_id"]) or PromptItem(
+            rows[0]["prompt_id"],
+            rows[0]["prompt"],
+            rows[0]["prompt_token_ids"],
+            rows[0]["label"],
+            json.loads(rows[0]["metadata"] or "{}"),
+        )
+        partials = [
+            Partial(r["response_token_ids"], r["rollout_logprobs"], r["weight_versions"], step - 1) for r in rows
+        ]
+        work.append(GroupWork(-1, prompt, partials))
+    return work
+
+
+def plan_step(
+    store, run_id: str, step: int, new_prompts: list[PromptItem], s: RolloutSettings, all_prompts: list[PromptItem]
+) -> list[GroupWork]:
+    """Group ids 0.. go to carried-over partial groups first, then to new prompts, up to groups_submitted."""
+    work = carried_over(store, run_id, step, {p.prompt_id: p for p in all_prompts}) if s.partial_rollout else []
+    work = work[: s.groups_submitted]
+    for p in new_prompts[: s.groups_submitted - len(work)]:
+        work.append(GroupWork(-1, p, [Partial() for _ in range(s.n_samples)]))
+    for g, w in enumerate(work):
+        w.group_id = g
+    return work
+
+
+def _row(run_id, step, w: GroupWork, i: int, res, decode, s: RolloutSettings, engine: str) -> dict:
+    part = w.partials[i]
+    tokens = part.token_ids + res.token_ids
+    # A multi-turn TokenBuffer brings its own mask (environment tokens 0) and versions.
+    new_mask = getattr(res, "loss_mask", None) or [1] * len(res.token_ids)
+    new_versions = getattr(res, "weight_versions", None) or ([res.weight_version] if res.token_ids else [])
+    versions = list(dict.fromkeys(part.weight_versions + new_versions)) or [res.weight_version]
+    # Tokens from an older policy can be kept out of the loss (--mask-offpolicy-in-partial-rollout).
+    old_mask = [0 if s.mask_offpolicy else 1] * len(part.token_ids)
+    status = {"stop": "completed", "length": "truncated", "abort": "aborted"}.get(res.finish_reason, "failed")
+    meta = dict(w.prompt.metadata)
+    if part.from_step is not None:
+        meta["continued_from_step"] = part.from_step
+        meta["offpolicy_tokens"] = len(part.token_ids)
+    return {
+        "run_id": run_id,
+        "step": step,
+        "group_id": w.group_id,
+        "sample_index": i,
+        "prompt_id": w.prompt.prompt_id,
+        "prompt": w.prompt.text,
+        "label": w.prompt.label,
+        "prompt_token_ids": w.prompt.token_ids,
+        "response_token_ids": tokens,
+        "response_text": decode(tokens),
+        "rollout_logprobs": part.logprobs + res.logprobs,
+        "loss_mask": old_mask + new_mask,
+        "status": status,
+        "finish_reason": res.finish_reason,
+        "weight_version": versions[-1],
+        "weight_versions": versions,
+        "engine": engine,
+        "pool": "default",
+        "gen_time_s": res.latency_s,
+        "created_at": datetime.now(UTC),
+        "metadata": json.dumps(meta),
+    }
+
+
+@dataclass
+class _Aborted:
+    """Stands in for a request that was never sent because the step already had enough groups."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = "abort"
+    weight_version: int = 0
+    latency_s: float = 0.0
+
+
+async def run_rollout(
     *,
+    client,
     store,
     run_id: str,
     step: int,
-    prompts: list[PromptItem],
-    sampler: Sampler,
-    params: SamplingParams,
-    n_samples: int,
-    seed: int,
-    micro_batch_size: int,
-    decode,
-    engine: str = "embedded",
-    pool: str = "local",
+    work: list[GroupWork],
+    settings: RolloutSettings,
+    decode: Callable[[list[int]], str],
+    group_filter: Callable[[list[dict]], str | None] | None = None,
+    engine: str = "router",
 ) -> RolloutResult:
-    done = existing_group_ids(store, run_id, step)
-    todo = [g for g in range(len(prompts)) if g not in done]
-    groups_per_batch = max(1, micro_batch_size // n_samples)
-    written, t0 = 0, time.perf_counter()
-    for start in range(0, len(todo), groups_per_batch):
-        group_ids = todo[start : start + groups_per_batch]
-        flat = [prompts[g].token_ids for g in group_ids for _ in range(n_samples)]
-        # Seeds depend on (step, group, sample), not on batch layout: a resumed step samples like the original.
-        seeds = [sample_seed(seed, step, g, i) for g in group_ids for i in range(n_samples)]
-        completions = sampler.generate(flat, params, seeds=seeds, micro_batch_size=len(flat))
-        rows = []
-        now = datetime.now(UTC)
-        for k, c in enumerate(completions):
-            g, i = group_ids[k // n_samples], k % n_samples
-            p = prompts[g]
-            rows.append(
-                {
-                    "run_id": run_id,
-                    "step": step,
-                    "group_id": g,
-                    "sample_index": i,
-                    "prompt_id": p.prompt_id,
-                    "prompt": p.text,
-                    "label": p.label,
-                    "prompt_token_ids": p.token_ids,
-                    "response_token_ids": c.token_ids,
-                    "response_text": decode(c.token_ids),
-                    "rollout_logprobs": c.logprobs,
-                    "loss_mask": [1] * len(c.token_ids),
-                    "reward": None,
-                    "reward_details": None,
-                    "status": "completed" if c.finish_reason == "stop" else "truncated",
-                    "finish_reason": c.finish_reason,
-                    "weight_version": c.weight_version,
-                    "weight_versions": [c.weight_version],
-                    "engine": engine,
-                    "pool": pool,
-                    "gen_time_s": c.gen_time_s,
-                    "created_at": now,
-                    "metadata": json.dumps(p.metadata),
-                }
-            )
-        app_id = f"rollout/{run_id}/{step}/" + ",".join(map(str, group_ids))
-        if append_trajectories(store, rows, app_id=app_id):
-            written += len(rows)
-    return RolloutResult(step, len(todo), len(done), written, time.perf_counter() - t0)
+    """Generate the planned groups the table does not hold yet; stop when `groups_needed` have finished."""
+    t0 = time.perf_counter()
+    s = settings
+    existing = read_trajectories(store, run_id, step).to_pylist()
+    stored = {r["group_id"] for r in existing}
+    finished_before = {r["group_id"] for r in existing if r["status"] != "aborted" and not r.get("filter_reason")}
+    todo = [w for w in work if w.group_id not in stored]
+    state = {"finished": len(finished_before), "written": 0, "aborted_groups": 0}
+    enough = asyncio.Event()
+    if state["finished"] >= s.groups_needed:
+        enough.set()
+    sem = asyncio.Semaphore(s.max_concurrency)
+    versions_seen: list[int] = []
+
+    async def sample(w: GroupWork, i: int):
+        async with sem:
+            if enough.is_set():
+                return _Aborted(weight_version=versions_seen[-1] if versions_seen else 0)
+            part = w.partials[i]
+            params = {
+                "max_new_tokens": s.max_new_tokens - len(part.token_ids),
+                "temperature": s.temperature,
+                "top_p": s.top_p,
+                "stop_token_ids": s.stop_token_ids,
+                "sampling_seed": sample_seed(s.seed, step, w.group_id, i),
+            }
+            if params["max_new_tokens"] <= 0:  # nothing left to generate: the partial is already full length
+                return _Aborted(finish_reason="length", weight_version=part.weight_versions[-1])
+            rid = request_id(run_id, step, w.group_id, i)
+            if s.custom_generate is not None:
+                ctx = GenerateContext(client, s.tokenizer, rid, s.max_new_tokens)
+                res = await s.custom_generate(ctx, w.prompt, params)
+            else:
+                res = await client.generate(w.prompt.token_ids + part.token_ids, params, rid=rid)
+            versions_seen.append(res.weight_version)
+            return res
+
+    async def group(w: GroupWork):
+        results = await asyncio.gather(*(sample(w, i) for i in range(s.n_samples)))
+        rows = [_row(run_id, step, w, i, r, decode, s, engine) for i, r in enumerate(results)]
+        if any(r["status"] == "aborted" for r in rows):
+            # A group is trained on whole or not at all: finished samples of a cut group are kept as
+            # partials too (they carry no further tokens), so the next step sees the group intact.
+            for r in rows:
+                r["status"] = "aborted"
+            state["aborted_groups"] += 1
+        else:
+            reason = group_filter(rows) if group_filter else None
+            if reason is None and state["finished"] >= s.groups_needed:
+                reason = "surplus"  # finished after the step already had enough groups
+            for r in rows:
+                r["filter_reason"] = reason
+            if reason is None:
+                state["finished"] += 1
+                if state["finished"] >= s.groups_needed and not enough.is_set():
+                    enough.set()
+                    await client.abort_all()  # the engines return what they have for the rest
+        if append_trajectories(store, rows, app_id=f"rollout/{run_id}/{step}/{w.group_id}"):
+            state["written"] += len(rows)
+
+    await asyncio.gather(*(group(w) for w in todo))
+    return RolloutResult(
+        step=step,
+        groups_completed=state["finished"],
+        groups_aborted=state["aborted_groups"],
+        groups_skipped=len(work) - len(todo),
+        samples_written=state["written"],
+        gen_time_s=time.perf_counter() - t0,
+    )

@@ -1,5 +1,5 @@
 """Weight sync: moving a new weight version from the trainer to the rollout engines.
 
-Today the sampler lives in the trainer's process and `flows/rl.py`'s sync task loads the trainer's weights
-(mapped to HF names) into it directly; checkpoints and deltas on object storage come with remote engines.
+`disk.py` publishes each version as an HF model directory that engines load with SGLang's
+`/update_weights_from_disk`; deltas on object storage for remote pools come later.
 """

@@ -9,8 +9,13 @@ from sluiceway.tasks.train.advantages import group_advantages
 from sluiceway.tasks.train.trainer import TrainSample
 
 
+def trainable_rows(table: pa.Table) -> list[dict]:
+    """Finished groups that no filter dropped: the step's training batch."""
+    return [r for r in table.to_pylist() if r["status"] != "aborted" and r.get("filter_reason") is None]
+
+
 def build_train_samples(table: pa.Table, estimator: str, normalize_by_std: bool) -> list[TrainSample]:
-    rows = table.to_pylist()
+    rows = trainable_rows(table)
     missing = [(r["group_id"], r["sample_index"]) for r in rows if r["reward"] is None]
     if missing:
         raise RuntimeError(f"{len(missing)} trajectories have no reward yet, e.g. (group, sample) {missing[0]}")
@@ -31,7 +36,8 @@ def build_train_samples(table: pa.Table, estimator: str, normalize_by_std: bool)
 
 
 def rollout_metrics(table: pa.Table) -> dict[str, float]:
-    rows = table.to_pylist()
+    all_rows = table.to_pylist()
+    rows = trainable_rows(table)
     rewards = [r["reward"] for r in rows]
     lengths = [len(r["response_token_ids"]) for r in rows]
     by_group: dict[int, list[float]] = {}
@@ -45,4 +51,8 @@ def rollout_metrics(table: pa.Table) -> dict[str, float]:
         # Groups whose samples all got the same reward carry no GRPO signal.
         "zero_std_group_frac": sum(len(set(v)) == 1 for v in by_group.values()) / max(len(by_group), 1),
         "samples": float(len(rows)),
+        "samples_aborted": float(sum(r["status"] == "aborted" for r in all_rows)),
+        "samples_filtered": float(
+            sum(r["status"] != "aborted" and r.get("filter_reason") is not None for r in all_rows)
+        ),
     }

@@ -29,7 +29,7 @@ class TrainSample:
     response_ids: list[int]
     loss_mask: list[int]  # per response token
     advantage: float
-    rollout_logprobs: list[float]  # per response token, from the sampler
+    rollout_logprobs: list[float]  # per response token, from the engine
 
 
 @dataclass
@@ -195,8 +195,8 @@ class PolicyTrainer:
         state.update({n: m.detach() for n, m in zip(self.param_names, self.master)})
         return state
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return megatron_to_hf(self.master_state_dict(), self.hf_config)
+    def hf_state_dict(self, include_tied_lm_head: bool = True) -> dict[str, torch.Tensor]:
+        return megatron_to_hf(self.master_state_dict(), self.hf_config, include_tied_lm_head=include_tied_lm_head)
 
     def save(self, path: str | Path, step: int) -> None:
         """Local checkpoint: model, optimizer and version, written atomically."""

@@ -1,0 +1,151 @@
+"""Embedded engine (continuous batching) vs transformers `model.generate`, same model, batch, dtype, machine.
+
+RL-style workload: chat-templated arithmetic questions, one response per prompt, with mixed response lengths
+(request i is given its own max_new_tokens, spread from --min-new to --max-new, EOS ignored so the lengths are
+exact and identical for both sides). transformers generates the batch until its longest row ends (finished rows
+stay in the batch); the engine retires each request at its own length. Both sample at T=0.7 without truncation.
+Throughput counts the requested tokens (sum of max_new_tokens) over the wall time from submit to last token,
+prefill included.
+
+    .venv/bin/python benchmarks/bench_engine.py                 # smollm2-135m-instruct, batch 32, float32
+    .venv/bin/python benchmarks/bench_engine.py --tiny          # tiny-llama (seconds; for a smoke run)
+    .venv/bin/python benchmarks/bench_engine.py --write-doc     # also refresh the section in docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from sluiceway.infra.engine import Engine, GenerateRequest, SamplingParams
+from sluiceway.infra.engine.core import dtype_from_name
+from sluiceway.models.zoo import load_hf_model, load_tokenizer, resolve_checkpoint
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+SECTION = "## Embedded engine vs transformers generate"
+
+
+def prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        msgs = [{"role": "user", "content": f"What is {a} + {b}? Think step by step, then give the answer."}]
+        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
+
+
+def lengths(n: int, lo: int, hi: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed + 1)
+    return [rng.randint(lo, hi) for _ in range(n - 1)] + [hi]  # the longest one is always there
+
+
+def bench_engine(path: Path, dtype: torch.dtype, ps: list[list[int]], ls: list[int]) -> tuple[float, dict]:
+    engine = Engine(path, max_running_requests=len(ps), max_total_len=max(map(len, ps)) + max(ls) + 1, dtype=dtype)
+    try:
+        engine.generate([GenerateRequest(ps[0], SamplingParams(max_new_tokens=4))])  # warm-up
+        reqs = [
+            GenerateRequest(p, SamplingParams(max_new_tokens=n, temperature=0.7, sampling_seed=i, ignore_eos=True))
+            for i, (p, n) in enumerate(zip(ps, ls, strict=True))
+        ]
+        t0 = time.perf_counter()
+        outs = engine.generate(reqs)
+        elapsed = time.perf_counter() - t0
+        assert [len(o.output_ids) for o in outs] == ls
+        return elapsed, engine.load()
+    finally:
+        engine.shutdown()
+
+
+@torch.inference_mode()
+def bench_transformers(path: Path, dtype: torch.dtype, ps: list[list[int]], ls: list[int], pad_id: int) -> float:
+    model = load_hf_model(path, dtype=dtype)
+    width = max(map(len, ps))
+    ids = torch.full((len(ps), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(ps):  # left padding, as generation needs
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    kw = dict(do_sample=True, temperature=0.7, top_k=0, top_p=1.0, pad_token_id=pad_id)
+    model.generate(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=4, **kw)  # warm-up
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    # No EOS: every row runs to the longest length, which is what a batch with one long row costs.
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(ls), eos_token_id=None, **kw)
+    elapsed = time.perf_counter() - t0
+    assert out.shape[1] - width == max(ls)
+    return elapsed
+
+
+def write_doc(text: str) -> None:
+    doc = (
+        DOC.read_text()
+        if DOC.exists()
+        else "# Benchmarks\n\nMeasured numbers; each section is refreshed by its script.\n"
+    )
+    pattern = re.compile(rf"{re.escape(SECTION)}\n.*?(?=\n## |\Z)", re.S)
+    doc = (
+        pattern.sub(lambda _: text.rstrip("\n") + "\n", doc)
+        if pattern.search(doc)
+        else doc.rstrip("\n") + "\n\n" + text
+    )
+    DOC.write_text(doc)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--tiny", action="store_true", help="use tiny-llama (fallback when SmolLM2 is unavailable)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--min-new", type=int, default=16)
+    ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--write-doc", action="store_true")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    name = "tiny-llama" if args.tiny else args.model
+    path = resolve_checkpoint(name)
+    dtype = dtype_from_name(args.dtype)
+    tok = load_tokenizer(path)
+    ps = prompts(tok, args.batch)
+    ls = lengths(args.batch, args.min_new, args.max_new)
+    useful = sum(ls)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    t_hf = bench_transformers(path, dtype, ps, ls, pad)
+    t_en, load = bench_engine(path, dtype, ps, ls)
+    hf_tps, en_tps = useful / t_hf, useful / t_en
+    lines = [
+        SECTION,
+        "",
+        f"`benchmarks/bench_engine.py` ({time.strftime('%Y-%m-%d')}): model `{name}`, dtype {args.dtype}, batch "
+        f"{args.batch}, chat-templated arithmetic prompts ({min(map(len, ps))}-{max(map(len, ps))} tokens), "
+        f"response lengths {args.min_new}-{args.max_new} (mean {useful / len(ls):.0f}; {useful} tokens in all), "
+        f"T=0.7; {platform.machine()} CPU, {torch.get_num_threads()} torch threads, torch {torch.__version__}.",
+        "",
+        "| generator | wall s | new tokens/s |",
+        "| --- | ---: | ---: |",
+        f"| transformers `generate` (batch of {args.batch}, runs to the longest row) | {t_hf:.1f} | {hf_tps:.1f} |",
+        f"| embedded engine (continuous batching) | {t_en:.1f} | {en_tps:.1f} |",
+        "",
+        f"Ratio engine / transformers: **{en_tps / hf_tps:.2f}x** (one run each, same machine). "
+        f"Engine: {load['decode_steps']} decode steps, at most {load['max_running_requests_seen']} running.",
+        "",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if args.write_doc:
+        write_doc(text)
+
+
+if __name__ == "__main__":
+    main()

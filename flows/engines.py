@@ -1,0 +1,62 @@
+"""The rollout engines of a run: embedded engines and/or external ones, behind one sglang-router.
+
+Generation goes through the router; control calls (abort, pause, weight updates) go to each engine, because
+the router does not forward them. The async client lives on a private loop so synchronous Prefect tasks
+can use it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from sluiceway.flows.config import RunConfig
+from sluiceway.infra.aio import BackgroundLoop
+from sluiceway.infra.pool import EnginePool
+from sluiceway.infra.router import SGLangRouter
+from sluiceway.tasks.rollout.client import EngineClient
+
+
+class RolloutEngines:
+    def __init__(self, cfg: RunConfig, model_dir: Path, run_dir: Path, weight_version: int = 0):
+        r = cfg.rollout
+        log_dir = run_dir / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        max_total = cfg.rollout.rollout_max_prompt_len + cfg.rollout.rollout_max_response_len
+        engine_args = (
+            "--max-running-requests", str(r.engine_max_running_requests), "--max-total-len", str(max_total),
+            "--dtype", "bfloat16" if cfg.training.bf16 else "float32", "--weight-version", str(weight_version),
+        )  # fmt: skip
+        self.router = SGLangRouter(log_dir).start()
+        try:
+            self.pool = EnginePool(
+                str(model_dir),
+                r.rollout_num_engines,
+                log_dir,
+                router=self.router,
+                external_urls=r.rollout_external_engine_addrs or (),
+                engine_args=engine_args,
+                env=dict(os.environ),
+            ).start()
+        except BaseException:
+            self.router.close()
+            raise
+        self.loop = BackgroundLoop()
+        self.client = self.loop.run(self._make_client())
+
+    async def _make_client(self) -> EngineClient:
+        return EngineClient(self.router.url, self.pool.urls)  # created on the loop that will use it
+
+    def run(self, coro):
+        return self.loop.run(coro)
+
+    def update_weights(self, model_dir: Path, version: int) -> None:
+        self.run(self.client.update_weights_from_disk(str(model_dir), version))
+
+    def close(self) -> None:
+        try:
+            self.run(self.client.aclose())
+        finally:
+            self.loop.close()
+            self.pool.close()
+            self.router.close()

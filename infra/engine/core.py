@@ -1,0 +1,532 @@
+"""The embedded rollout engine: continuous batching over a slot KV cache, one scheduler thread.
+
+Every iteration of the scheduler loop
+  1. applies queued controls (abort, pause/continue, weight update, flush, version) -- between steps, never
+     inside one, so a step always runs on one set of weights;
+  2. unless paused, admits waiting requests while slots are free (prefill each, sample its first token);
+  3. runs one decode step for the whole running batch and retires the rows that finished, moving the last
+     running row into the freed slot so the batch stays in slots 0..n-1.
+A long request therefore never holds up short ones, and a finished row stops costing compute at once
+(transformers' `generate` keeps finished rows in the batch until the longest one ends).
+
+Sampling follows `sampling.py` (per-row seeded Gumbel-max; log-probs of logits / T before truncation).
+Weight versions are strings, as in SGLang's API (`meta_info.weight_version`); sluiceway writes integers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sluiceway.infra.engine.kv_cache import SlotKVCache
+from sluiceway.infra.engine.llama import LlamaRunner
+from sluiceway.infra.engine.sampling import TOP_K_ALL, sample
+
+
+class EngineError(ValueError):
+    """A request or control the engine refuses (the server maps it to HTTP 400)."""
+
+
+@dataclass
+class SamplingParams:
+    """SGLang's sampling fields that the embedded engine implements (same names and defaults)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: whole vocabulary
+    min_p: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    sampling_seed: int | None = None
+
+    def validate(self, vocab_size: int) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise EngineError(f"sampling_params.max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not (self.temperature >= 0.0 and self.temperature != float("inf")):
+            raise EngineError(f"sampling_params.temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise EngineError(f"sampling_params.top_p must be in (0, 1], got {self.top_p!r}")
+        if not (self.top_k == -1 or self.top_k >= 1):
+            raise EngineError(f"sampling_params.top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise EngineError(f"sampling_params.min_p must be in [0, 1], got {self.min_p!r}")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise EngineError(f"sampling_params.stop_token_ids: {t!r} is not a token id in [0, {vocab_size})")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise EngineError("sampling_params.stop must be a non-empty string or a list of non-empty strings")
+
+
+@dataclass
+class GenerateRequest:
+    input_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    rid: str | None = None
+
+
+@dataclass
+class GenerateOutput:
+    rid: str
+    prompt_tokens: int
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: dict[str, Any]
+    weight_version: str
+    text: str | None = None  # None when the engine has no tokenizer
+    e2e_latency: float = 0.0
+
+
+@dataclass
+class StreamChunk:
+    """New tokens of one request since the previous chunk; the last chunk carries the full output."""
+
+    rid: str
+    token_ids: list[int]
+    logprobs: list[float]
+    output: GenerateOutput | None = None  # set on the final chunk
+
+
+class RequestHandle:
+    """What `submit` returns: a concurrent Future of the output, plus incremental chunks on request."""
+
+    def __init__(self, rid: str, on_chunk: Callable[[StreamChunk], None] | None):
+        self.rid = rid
+        self.future: Future[GenerateOutput] = Future()
+        self._on_chunk = on_chunk
+
+    def result(self, timeout: float | None = None) -> GenerateOutput:
+        return self.future.result(timeout)
+
+    def _emit(self, chunk: StreamChunk) -> None:
+        if self._on_chunk is not None:
+            try:
+                self._on_chunk(chunk)
+            except Exception:  # noqa: BLE001 (a listener that went away, e.g. a closed event loop)
+                # Must not reach the scheduler loop, which would abort every running request.
+                self._on_chunk = None
+
+
+def stream(engine: Engine, request: GenerateRequest, timeout: float | None = None) -> Iterator[StreamChunk]:
+    """Submit `request` and yield its chunks as they are produced (blocking iterator for plain threads)."""
+    import queue
+
+    q: queue.Queue[StreamChunk] = queue.Queue()
+    engine.submit(request, on_chunk=q.put)
+    while True:
+        chunk = q.get(timeout=timeout)
+        yield chunk
+        if chunk.output is not None:
+            return
+
+
+@dataclass
+class _Seq:
+    """A request inside the engine."""
+
+    req: GenerateRequest
+    handle: RequestHandle
+    generator: torch.Generator
+    stop_ids: frozenset[int]
+    t0: float
+    out_ids: list[int] = field(default_factory=list)
+    out_lps: list[float] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+    streamed: int = 0
+
+    @property
+    def length(self) -> int:  # tokens whose K/V are (or will be, for the pending one) in the cache
+        return len(self.req.input_ids) + len(self.out_ids)
+
+
+class Engine:
+    """Continuous-batching generation from a Llama-family HF checkpoint (see the module doc)."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        max_running_requests: int = 64,
+        max_total_len: int = 1024,
+        dtype: torch.dtype = torch.float32,
+        weight_version: str = "0",
+        seed: int | None = None,
+        tokenizer: Any = None,
+        load_tokenizer: bool = True,
+        prefill_batch: int = 8,
+    ):
+        from transformers import AutoConfig
+
+        from sluiceway.models.zoo import load_hf_state_dict, validate_model_dir
+        from sluiceway.models.zoo import load_tokenizer as zoo_tokenizer
+
+        self.model_path = validate_model_dir(model_path)
+        self.config = AutoConfig.from_pretrained(str(self.model_path), local_files_only=True)
+        self.dtype = dtype
+        self.runner = LlamaRunner(self.config, load_hf_state_dict(self.model_path), dtype=dtype)
+        self.vocab_size = self.runner.vocab_size
+        self.max_running_requests = max_running_requests
+        self.max_total_len = max_total_len
+        self.prefill_batch = prefill_batch  # prompts per prefill forward (bounds the padded batch's memory)
+        self.cache = SlotKVCache(
+            self.runner.n_layers, max_running_requests, self.runner.n_kv, max_total_len, self.runner.head_dim, dtype
+        )
+        self.tokenizer = (
+            tokenizer if tokenizer is not None else (zoo_tokenizer(self.model_path) if load_tokenizer else None)
+        )
+        self.eos_token_ids = self._eos_ids()
+        self.weight_version = str(weight_version)
+        self._seed = seed
+        self._rid_counter = itertools.count()
+
+        self._cv = threading.Condition()
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []  # row i lives in KV slot i
+        self._rids: set[str] = set()
+        self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._paused = False
+        self._stopped = False
+        self.stats = {
+            "max_running_requests_seen": 0,
+            "decode_steps": 0,
+            "generated_tokens": 0,
+            "prefill_tokens": 0,
+            "finished_requests": 0,
+        }
+        self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+        self._thread.start()
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+
+        def add(v: Any) -> None:
+            if isinstance(v, int):
+                ids.add(v)
+            elif isinstance(v, (list, tuple)):
+                ids.update(x for x in v if isinstance(x, int))
+
+        add(getattr(self.config, "eos_token_id", None))
+        gen_cfg = self.model_path / "generation_config.json"
+        if gen_cfg.is_file():
+            import json
+
+            add(json.loads(gen_cfg.read_text()).get("eos_token_id"))
+        if self.tokenizer is not None:
+            add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    # ------------------------------------------------------------------------------------------ public API
+    def check_request(self, request: GenerateRequest) -> None:
+        """Raise EngineError if the engine would refuse `request` (lets a server reject a batch atomically)."""
+        ids = request.input_ids
+        if not ids:
+            raise EngineError("empty input: give a non-empty text or input_ids")
+        bad = next(
+            (t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size), None
+        )
+        if bad is not None:
+            raise EngineError(f"input_ids: {bad!r} is not a token id in [0, {self.vocab_size})")
+        if len(ids) >= self.max_total_len:
+            raise EngineError(f"input of {len(ids)} tokens does not fit max_total_len={self.max_total_len}")
+        sp = request.sampling
+        sp.validate(self.vocab_size)
+        if sp.stop and self.tokenizer is None:
+            raise EngineError("sampling_params.stop needs a tokenizer; this engine runs without one")
+
+    def submit(self, request: GenerateRequest, on_chunk: Callable[[StreamChunk], None] | None = None) -> RequestHandle:
+        """Queue a request (thread-safe). `on_chunk` is called from the scheduler thread with new tokens."""
+        self.check_request(request)
+        sp = request.sampling
+        seed = sp.sampling_seed
+        if seed is None:
+            seed = secrets.randbits(63) if self._seed is None else (self._seed * 1_000_003 + next(self._rid_counter))
+        stop_ids = set(sp.stop_token_ids)
+        if not sp.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        with self._cv:
+            if self._stopped:
+                raise EngineError("engine is shut down")
+            rid = request.rid if request.rid is not None else f"req-{secrets.token_hex(8)}"
+            if rid in self._rids:
+                raise EngineError(f"rid {rid!r} is already in use by a running request")
+            request.rid = rid
+            handle = RequestHandle(rid, on_chunk)
+            seq = _Seq(
+                req=request,
+                handle=handle,
+                generator=torch.Generator().manual_seed(int(seed) % (1 << 63)),
+                stop_ids=frozenset(stop_ids),
+                t0=time.perf_counter(),
+            )
+            self._rids.add(rid)
+            self._waiting.append(seq)
+            self._cv.notify_all()
+        return handle
+
+    def generate(self, requests: list[GenerateRequest], timeout: float | None = None) -> list[GenerateOutput]:
+        """Blocking convenience: submit all, wait for all (order preserved)."""
+        handles = [self.submit(r) for r in requests]
+        return [h.result(timeout) for h in handles]
+
+    def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "Aborted by request.") -> int:
+        """Finish `rid` (or every request) with finish_reason abort, returning tokens so far. -> how many."""
+
+        def do() -> int:
+            targets = [s for s in itertools.chain(self._waiting, self._running) if abort_all or s.req.rid == rid]
+            for s in targets:
+                s.finish = {"type": "abort", "message": message}
+            self._retire_finished()
+            return len(targets)
+
+        return self._control(do)
+
+    def pause(self) -> None:
+        """Running requests keep their KV cache and stop advancing; new ones queue until `resume`."""
+        self._control(lambda: setattr(self, "_paused", True))
+
+    def resume(self) -> None:
+        self._control(lambda: setattr(self, "_paused", False))
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def update_weights_from_disk(self, model_path: str | Path, weight_version: str | None = None) -> str:
+        """Load a model directory's safetensors and swap them in between two decode steps.
+
+        The files are read and checked in the caller's thread; a missing path or a tensor that does not fit
+        raises EngineError and leaves the old weights serving. Running requests continue on the new weights.
+        """
+        from sluiceway.flows.errors import UserError
+        from sluiceway.models.zoo import load_hf_state_dict
+
+        try:
+            sd = load_hf_state_dict(model_path)
+            self.runner.check_state_dict(sd)
+        except (UserError, ValueError, OSError) as e:
+            raise EngineError(f"update_weights_from_disk: {e}") from None
+
+        def do() -> str:
+            self.runner.load_state_dict(sd)
+            if weight_version is not None:
+                self.weight_version = str(weight_version)
+            return self.weight_version
+
+        return self._control(do)
+
+    def update_weight_version(self, new_version: str) -> None:
+        self._control(lambda: setattr(self, "weight_version", str(new_version)))
+
+    def flush_cache(self) -> bool:
+        """SGLang semantics: succeeds only when nothing is running or waiting (then clears the KV cache)."""
+
+        def do() -> bool:
+            if self._running or self._waiting:
+                return False
+            self.cache.k.zero_()
+            self.cache.v.zero_()
+            return True
+
+        return self._control(do)
+
+    def load(self) -> dict[str, Any]:
+        with self._cv:
+            return {
+                "num_running_reqs": len(self._running),
+                "num_waiting_reqs": len(self._waiting),
+                "paused": self._paused,
+                **self.stats,
+            }
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        self._thread.join(timeout=10)
+        with self._cv:
+            for s in list(self._waiting) + self._running:
+                s.finish = {"type": "abort", "message": "engine shut down"}
+            self._retire_finished()
+
+    # ------------------------------------------------------------------------------------------ scheduler
+    def _control(self, fn: Callable[[], Any]) -> Any:
+        if threading.current_thread() is self._thread:
+            return fn()
+        fut: Future = Future()
+        with self._cv:
+            if self._stopped:
+                raise EngineError("engine is shut down")
+            self._commands.append((fn, fut))
+            self._cv.notify_all()
+        return fut.result()
+
+    def _run_commands(self) -> None:
+        while self._commands:
+            fn, fut = self._commands.popleft()
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 (the caller gets it)
+                fut.set_exception(e)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while (
+                    not self._stopped and not self._commands and (self._paused or not (self._waiting or self._running))
+                ):
+                    self._cv.wait()
+                if self._stopped:
+                    return
+                self._run_commands()
+                if self._paused:
+                    continue
+                admit = []
+                while self._waiting and len(self._running) + len(admit) < self.max_running_requests:
+                    admit.append(self._waiting.popleft())
+            # Model work runs outside the lock so submit/abort never wait for a step.
+            try:
+                for start in range(0, len(admit), self.prefill_batch):
+                    group = admit[start : start + self.prefill_batch]
+                    self._prefill(group)
+                    with self._cv:
+                        self._running.extend(group)
+                        self._retire_finished()
+                with self._cv:
+                    self.stats["max_running_requests_seen"] = max(
+                        self.stats["max_running_requests_seen"], len(self._running)
+                    )
+                    batch = [s for s in self._running if s.finish is None]
+                if batch:
+                    self._decode()
+            except Exception as e:  # noqa: BLE001 (a model error must not kill the scheduler silently)
+                with self._cv:
+                    for s in self._running + admit:
+                        if s.finish is None:
+                            s.finish = {"type": "abort", "message": f"engine error: {type(e).__name__}: {e}"}
+                    for s in admit:
+                        if s not in self._running:
+                            self._running.append(s)
+                    self._retire_finished()
+            with self._cv:
+                self._retire_finished()
+
+    def _prefill(self, group: list[_Seq]) -> None:
+        # Prompts admitted together are prefilled as one batch: one set of large GEMMs instead of many.
+        prompts = [torch.tensor(s.req.input_ids, dtype=torch.long) for s in group]
+        logits = self.runner.prefill(self.cache, len(self._running), prompts)
+        self.stats["prefill_tokens"] += sum(len(p) for p in prompts)
+        self._sample_and_append(group, logits)
+
+    def _decode(self) -> None:
+        rows = self._running
+        tokens = torch.tensor([s.out_ids[-1] for s in rows], dtype=torch.long)
+        positions = torch.tensor([s.length - 1 for s in rows], dtype=torch.long)
+        logits = self.runner.decode(self.cache, tokens, positions)
+        self.stats["decode_steps"] += 1
+        self._sample_and_append(rows, logits)
+
+    def _sample_and_append(self, rows: list[_Seq], logits: torch.Tensor) -> None:
+        sps = [s.req.sampling for s in rows]
+        temperature = torch.tensor([sp.temperature for sp in sps], dtype=torch.float32)
+        top_k = torch.tensor([TOP_K_ALL if sp.top_k == -1 else sp.top_k for sp in sps], dtype=torch.long)
+        top_p = torch.tensor([sp.top_p for sp in sps], dtype=torch.float32)
+        min_p = torch.tensor([sp.min_p for sp in sps], dtype=torch.float32)
+        toks, lps = sample(logits, temperature, top_k, top_p, min_p, [s.generator for s in rows])
+        with self._cv:
+            for s, t, lp in zip(rows, toks.tolist(), lps.tolist(), strict=True):
+                if s.finish is not None:  # aborted while the step ran: drop the token
+                    continue
+                s.out_ids.append(t)
+                s.out_lps.append(lp)
+                self.stats["generated_tokens"] += 1
+                s.finish = self._finish_reason(s, t)
+                if s.finish is None and s.streamed < len(s.out_ids):
+                    s.handle._emit(StreamChunk(s.req.rid, s.out_ids[s.streamed :], s.out_lps[s.streamed :]))
+                    s.streamed = len(s.out_ids)
+
+    def _finish_reason(self, s: _Seq, token: int) -> dict[str, Any] | None:
+        sp = s.req.sampling
+        if token in s.stop_ids:
+            return {"type": "stop", "matched": token}
+        if sp.stop:
+            # Decode only a tail long enough to contain any stop string that the newest token completes.
+            tail = self.tokenizer.decode(s.out_ids[-(max(len(x) for x in sp.stop) + 8) :], skip_special_tokens=False)
+            for stop in sp.stop:
+                if stop in tail:
+                    return {"type": "stop", "matched": stop}
+        n = len(s.out_ids)
+        if n >= sp.max_new_tokens or s.length >= self.max_total_len:
+            return {"type": "length", "length": n}
+        return None
+
+    def _retire_finished(self) -> None:
+        """(Under the lock.) Complete finished requests; keep the running ones packed into slots 0..n-1."""
+        for s in [s for s in self._waiting if s.finish is not None]:
+            self._waiting.remove(s)
+            self._complete(s)
+        i = 0
+        while i < len(self._running):
+            s = self._running[i]
+            if s.finish is None:
+                i += 1
+                continue
+            last = len(self._running) - 1
+            if i != last:
+                moved = self._running[last]
+                self.cache.move(last, i, moved.length)
+                self._running[i] = moved
+            self._running.pop()
+            self._complete(s)
+
+    def _complete(self, s: _Seq) -> None:
+        self._rids.discard(s.req.rid)
+        self.stats["finished_requests"] += 1
+        out = GenerateOutput(
+            rid=s.req.rid,
+            prompt_tokens=len(s.req.input_ids),
+            output_ids=list(s.out_ids),
+            output_logprobs=list(s.out_lps),
+            finish_reason=s.finish,
+            weight_version=self.weight_version,
+            text=self._text(s),
+            e2e_latency=time.perf_counter() - s.t0,
+        )
+        s.handle._emit(StreamChunk(s.req.rid, s.out_ids[s.streamed :], s.out_lps[s.streamed :], output=out))
+        s.streamed = len(s.out_ids)
+        if not s.handle.future.done():
+            s.handle.future.set_result(out)
+
+    def _text(self, s: _Seq) -> str | None:
+        """Decoded output; a matched stop string or stop token is trimmed unless no_stop_trim (as SGLang)."""
+        if self.tokenizer is None:
+            return None
+        sp = s.req.sampling
+        ids = s.out_ids
+        fin = s.finish or {}
+        if fin.get("type") == "stop" and isinstance(fin.get("matched"), int) and not sp.no_stop_trim:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
+        if fin.get("type") == "stop" and isinstance(fin.get("matched"), str) and not sp.no_stop_trim:
+            cut = text.find(fin["matched"])
+            if cut >= 0:
+                text = text[:cut]
+        return text
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if name not in table:
+        raise EngineError(f"dtype {name!r}: expected float32 or bfloat16")
+    return table[name]

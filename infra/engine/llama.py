@@ -1,0 +1,241 @@
+"""A Llama-family forward pass over HF weights that reads and writes a slot-based KV cache.
+
+HF's own forward keeps one DynamicCache for a rectangular batch; continuous batching needs sequences of
+different lengths that join and leave at different steps, so the engine runs its own forward: embedding,
+RMSNorm, RoPE (inv_freq from transformers' own rope functions, so `rope_parameters` mean what HF means),
+GQA attention through `scaled_dot_product_attention`, SwiGLU MLP, tied or untied lm_head.
+Supports Llama and Qwen2 shapes (optional q/k/v bias); logits come out in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from sluiceway.infra.engine.kv_cache import SlotKVCache
+
+
+def rope_inv_freq(config: Any) -> tuple[Tensor, float]:
+    """(inv_freq, attention_scaling) exactly as transformers' LlamaRotaryEmbedding computes them."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    if rope_type == "dynamic":
+        # Dynamic NTK rescales with the running length; a fixed table would silently differ from HF.
+        raise ValueError("rope_type 'dynamic' is not supported by the embedded engine")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+    return inv_freq.float(), float(scaling)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaRunner:
+    """Weights in plain tensors plus the forward passes the scheduler needs (prefill one, decode many)."""
+
+    def __init__(self, config: Any, state_dict: Mapping[str, Tensor], dtype: torch.dtype = torch.float32):
+        self.config = config
+        self.dtype = dtype
+        self.n_layers = config.num_hidden_layers
+        self.n_heads = config.num_attention_heads
+        self.n_kv = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        self.eps = config.rms_norm_eps
+        self.vocab_size = config.vocab_size
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={config.hidden_act!r}: the embedded engine implements SwiGLU (silu)")
+        inv_freq, self.rope_scaling = rope_inv_freq(config)
+        self.inv_freq = inv_freq
+        self.w: dict[str, Tensor] = {}
+        self.load_state_dict(state_dict)
+
+    # ---------------------------------------------------------------------------------------------- weights
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        h, i, hd = self.config.hidden_size, self.config.intermediate_size, self.head_dim
+        shapes: dict[str, tuple[int, ...]] = {
+            "model.embed_tokens.weight": (self.vocab_size, h),
+            "model.norm.weight": (h,),
+        }
+        if not self.tied:
+            shapes["lm_head.weight"] = (self.vocab_size, h)
+        bias = bool(getattr(self.config, "attention_bias", False)) or self.config.model_type == "qwen2"
+        for n in range(self.n_layers):
+            p = f"model.layers.{n}."
+            shapes |= {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (self.n_heads * hd, h),
+                p + "self_attn.k_proj.weight": (self.n_kv * hd, h),
+                p + "self_attn.v_proj.weight": (self.n_kv * hd, h),
+                p + "self_attn.o_proj.weight": (h, self.n_heads * hd),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+            }
+            if bias:
+                shapes |= {
+                    p + "self_attn.q_proj.bias": (self.n_heads * hd,),
+                    p + "self_attn.k_proj.bias": (self.n_kv * hd,),
+                    p + "self_attn.v_proj.bias": (self.n_kv * hd,),
+                }
+        return shapes
+
+    def check_state_dict(self, sd: Mapping[str, Tensor]) -> None:
+        """Raise ValueError unless `sd` holds exactly this model's tensors (a tied lm_head may be present)."""
+        want = self.expected_shapes()
+        extra = set(sd) - set(want) - {"lm_head.weight"}
+        extra = {k for k in extra if not k.endswith("rotary_emb.inv_freq")}
+        missing = set(want) - set(sd)
+        if missing or extra:
+            raise ValueError(
+                f"weights do not fit the model: missing {sorted(missing)[:4]}, unexpected {sorted(extra)[:4]}"
+            )
+        for k, shape in want.items():
+            if tuple(sd[k].shape) != shape:
+                raise ValueError(f"weights do not fit the model: {k} has shape {tuple(sd[k].shape)}, expected {shape}")
+
+    def load_state_dict(self, sd: Mapping[str, Tensor]) -> None:
+        """Validate everything first, then swap: a bad checkpoint leaves the old weights in place."""
+        self.check_state_dict(sd)
+        new: dict[str, Tensor] = {}
+        for k in self.expected_shapes():
+            new[k] = sd[k].detach().to(self.dtype).contiguous()
+        for n in range(self.n_layers):
+            # One matmul for q/k/v and one for gate/up: fewer, larger GEMMs are faster on CPU.
+            p = f"model.layers.{n}."
+            a = p + "self_attn."
+            new[p + "qkv"] = torch.cat(
+                [new.pop(a + "q_proj.weight"), new.pop(a + "k_proj.weight"), new.pop(a + "v_proj.weight")]
+            )
+            if a + "q_proj.bias" in new:
+                new[p + "qkv_bias"] = torch.cat(
+                    [new.pop(a + "q_proj.bias"), new.pop(a + "k_proj.bias"), new.pop(a + "v_proj.bias")]
+                )
+            new[p + "gate_up"] = torch.cat([new.pop(p + "mlp.gate_proj.weight"), new.pop(p + "mlp.up_proj.weight")])
+        if self.tied:
+            new["lm_head.weight"] = new["model.embed_tokens.weight"]
+        self.w = new
+
+    # ---------------------------------------------------------------------------------------------- forward
+    def _rms(self, x: Tensor, weight: Tensor) -> Tensor:
+        # As HF: normalise in fp32, cast back, then scale.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * xf.to(x.dtype)
+
+    def _cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.rope_scaling).to(self.dtype), (emb.sin() * self.rope_scaling).to(self.dtype)
+
+    def _layer(self, n: int, x: Tensor, cos: Tensor, sin: Tensor, attend: Any) -> Tensor:
+        p = f"model.layers.{n}."
+        w = self.w
+        b, t, _ = x.shape
+        hd = self.head_dim
+        h = self._rms(x, w[p + "input_layernorm.weight"])
+        qkv = F.linear(h, w[p + "qkv"], w.get(p + "qkv_bias"))
+        q, k, v = qkv.split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
+        q = q.view(b, t, self.n_heads, hd).transpose(1, 2)
+        k = k.view(b, t, self.n_kv, hd).transpose(1, 2)
+        v = v.view(b, t, self.n_kv, hd).transpose(1, 2)
+        c, s = cos[:, None], sin[:, None]
+        q = q * c + _rotate_half(q) * s
+        k = k * c + _rotate_half(k) * s
+        o = attend(n, q, k, v)  # [b, heads, t, hd]
+        o = o.transpose(1, 2).reshape(b, t, self.n_heads * hd)
+        x = x + F.linear(o, w[p + "self_attn.o_proj.weight"])
+        h = self._rms(x, w[p + "post_attention_layernorm.weight"])
+        gate, up = F.linear(h, w[p + "gate_up"]).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
+
+    def _logits(self, x: Tensor) -> Tensor:
+        x = self._rms(x, self.w["model.norm.weight"])
+        return F.linear(x, self.w["lm_head.weight"]).float()
+
+    @torch.inference_mode()
+    def forward_full(self, input_ids: Tensor) -> Tensor:
+        """Causal forward of a [b, t] batch without a cache -> fp32 logits [b, t, vocab] (for checks)."""
+        t = input_ids.shape[1]
+        positions = torch.arange(t)[None].expand(input_ids.shape[0], t)
+        cos, sin = self._cos_sin(positions)
+
+        def attend(_n: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        x = F.embedding(input_ids, self.w["model.embed_tokens.weight"])
+        for n in range(self.n_layers):
+            x = self._layer(n, x, cos, sin, attend)
+        return self._logits(x)
+
+    @torch.inference_mode()
+    def prefill(self, cache: SlotKVCache, first_slot: int, prompts: list[Tensor]) -> Tensor:
+        """Run prompts into slots first_slot, first_slot+1, ... (positions 0..len-1) in one right-padded
+        batch -> fp32 logits of each prompt's last position [n, vocab].
+
+        Pad positions are written to the cache too; they lie beyond the row's length, where decode masks
+        them until it overwrites them.
+        """
+        n = len(prompts)
+        lens = torch.tensor([len(p) for p in prompts])
+        t = int(lens.max())
+        ids = torch.zeros((n, t), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = p
+        cos, sin = self._cos_sin(torch.arange(t)[None])
+        mask = None
+        if n > 1 and bool((lens != t).any()):
+            causal = torch.ones(t, t, dtype=torch.bool).tril()
+            mask = causal[None] & (torch.arange(t)[None, None, :] < lens[:, None, None])
+            mask |= torch.eye(t, dtype=torch.bool)[None]  # pad queries attend to themselves: no NaN rows
+            mask = mask[:, None]
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            cache.k[layer, first_slot : first_slot + n, :, :t] = k
+            cache.v[layer, first_slot : first_slot + n, :, :t] = v
+            if mask is None:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+        x = F.embedding(ids, self.w["model.embed_tokens.weight"])
+        for layer in range(self.n_layers):
+            x = self._layer(layer, x, cos, sin, attend)
+        return self._logits(x[torch.arange(n), lens - 1])
+
+    @torch.inference_mode()
+    def decode(self, cache: SlotKVCache, tokens: Tensor, positions: Tensor) -> Tensor:
+        """One token for each of the slots 0..b-1 at their own `positions` [b] -> fp32 logits [b, vocab].
+
+        The running batch always occupies the first b slots (the scheduler compacts it), so the cache reads
+        below are views, not gathers; each row attends to its own first `position + 1` entries.
+        """
+        b = tokens.shape[0]
+        span = int(positions.max()) + 1
+        rows = torch.arange(b)
+        cos, sin = self._cos_sin(positions[:, None])
+        # Keys beyond a row's own length are stale or empty: mask them out per row.
+        mask = (torch.arange(span)[None, :] <= positions[:, None])[:, None, None, :]
+
+        def attend(n: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            cache.k[n, rows, :, positions] = k[:, :, 0]
+            cache.v[n, rows, :, positions] = v[:, :, 0]
+            kk = cache.k[n, :b, :, :span]
+            vv = cache.v[n, :b, :, :span]
+            return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, enable_gqa=True)
+
+        x = F.embedding(tokens[:, None], self.w["model.embed_tokens.weight"])
+        for n in range(self.n_layers):
+            x = self._layer(n, x, cos, sin, attend)
+        return self._logits(x[:, -1])

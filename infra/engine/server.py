@@ -1,0 +1,635 @@
+"""SGLang's native HTTP API in front of the embedded engine, so it, a real SGLang server and sglang-router
+are interchangeable behind one client (DESIGN.md, Contracts).
+
+Field names, response shapes and status codes follow sglang's `http_server.py` / `io_struct.py`:
+`/generate` (text or input_ids, single or batched; SSE streaming with cumulative `text`/`output_ids`, as
+SGLang streams by default), `/health`, `/health_generate`, `/model_info`, `/server_info` (+ `/get_` aliases),
+`/flush_cache`, `/abort_request`, `/pause_generation`, `/continue_generation`, `/update_weights_from_disk`,
+`/update_weight_version`, and OpenAI's `/v1/models`, `/v1/chat/completions` (non-streaming).
+
+Differences, on purpose: `/pause_generation` defaults to mode "in_place" (requests keep their KV cache and
+resume on `/continue_generation`; "abort" aborts them first); sampling fields SGLang knows but this engine does
+not implement are accepted only at their defaults; any input the engine cannot honour is a 400 with one message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from sluiceway.infra.engine.core import (
+    Engine,
+    EngineError,
+    GenerateOutput,
+    GenerateRequest,
+    SamplingParams,
+    StreamChunk,
+)
+
+log = logging.getLogger(__name__)
+
+# SGLang sampling fields implemented here (types checked below).
+_SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
+    "max_new_tokens": (int,),
+    "temperature": (int, float),
+    "top_p": (int, float),
+    "top_k": (int,),
+    "min_p": (int, float),
+    "stop": (str, list),
+    "stop_token_ids": (list,),
+    "ignore_eos": (bool,),
+    "no_stop_trim": (bool,),
+    "skip_special_tokens": (bool,),
+    "sampling_seed": (int,),
+}
+# SGLang sampling fields accepted only at their default (the value that means "off").
+_SAMPLING_DEFAULT_ONLY: dict[str, Any] = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "n": 1,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "stop_regex": None,
+    "logit_bias": None,
+    "custom_params": None,
+    "spaces_between_special_tokens": True,
+    "stream_interval": None,
+}
+# Top-level /generate fields: handled, or accepted when they ask for nothing this engine lacks.
+_GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "stream"}
+_GENERATE_DEFAULT_ONLY: dict[str, Any] = {
+    # sglang-router 0.3.2 re-serialises /generate and adds these at their defaults (see infra/router.py).
+    "model": None,
+    "return_bytes": False,
+    "logprob_start_len": -1,
+    "top_logprobs_num": 0,
+    "token_ids_logprob": None,
+    "return_text_in_logprobs": False,
+    "log_metrics": True,
+    "return_hidden_states": False,
+    "lora_path": None,
+    "session_params": None,
+    "custom_logit_processor": None,
+    "image_data": None,
+    "audio_data": None,
+    "video_data": None,
+    "input_embeds": None,
+    "modalities": None,
+    "bootstrap_host": None,
+    "bootstrap_port": None,
+    "bootstrap_room": None,
+    "data_parallel_rank": None,
+    "routed_dp_rank": None,
+    "priority": None,
+    "return_entropy": False,
+    "background": False,
+    "no_logs": False,
+    "extra_key": None,
+}
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def _error(message: str, status: int = 400) -> JSONResponse:
+    # SGLang's ErrorResponse shape.
+    body = {"object": "error", "message": message, "type": "BadRequest", "param": None, "code": status}
+    return JSONResponse(body, status_code=status)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def parse_sampling_params(d: Any, where: str = "sampling_params") -> SamplingParams:
+    if d is None:
+        return SamplingParams()
+    if not isinstance(d, dict):
+        raise BadRequest(f"{where} must be an object, got {type(d).__name__}")
+    kwargs: dict[str, Any] = {}
+    for k, v in d.items():
+        if k in _SAMPLING_DEFAULT_ONLY:
+            default = _SAMPLING_DEFAULT_ONLY[k]
+            if v is not None and v != default and not (k in ("stop_regex",) and v in ([], "")):
+                raise BadRequest(f"{where}.{k}={v!r} is not supported by the embedded engine (only {default!r})")
+            continue
+        if k not in _SAMPLING_FIELDS:
+            known = ", ".join(sorted(_SAMPLING_FIELDS))
+            raise BadRequest(f"{where}: unknown field {k!r} (supported: {known})")
+        if v is None:
+            continue  # SGLang treats null as "use the default"
+        types = _SAMPLING_FIELDS[k]
+        if bool not in types and isinstance(v, bool) or not isinstance(v, types):
+            raise BadRequest(f"{where}.{k} must be {' or '.join(t.__name__ for t in types)}, got {v!r}")
+        kwargs[k] = v
+    if isinstance(kwargs.get("stop"), str):
+        kwargs["stop"] = [kwargs["stop"]]
+    for k in ("stop", "stop_token_ids"):
+        if k in kwargs:
+            kwargs[k] = list(kwargs[k])
+    if any(not isinstance(t, int) or isinstance(t, bool) for t in kwargs.get("stop_token_ids", [])):
+        raise BadRequest(f"{where}.stop_token_ids must be a list of integers")
+    for k in ("temperature", "top_p", "min_p"):
+        if k in kwargs:
+            kwargs[k] = float(kwargs[k])
+    return SamplingParams(**kwargs)
+
+
+def _per_item(value: Any, n: int, name: str, batched: bool) -> list[Any]:
+    """A per-request field given once (shared) or as a list of one value per request."""
+    if batched and isinstance(value, list) and name != "stop":
+        if len(value) != n:
+            raise BadRequest(f"{name}: a list must have one entry per request ({n}), got {len(value)}")
+        return value
+    return [value] * n
+
+
+class EngineServer:
+    """The FastAPI app around one Engine."""
+
+    def __init__(self, engine: Engine, served_model_name: str | None = None):
+        self.engine = engine
+        self.served_model_name = served_model_name or str(engine.model_path)
+        self.tokenizer = engine.tokenizer
+        self.app = self._build()
+
+    # ------------------------------------------------------------------------------------------ /generate
+    def _to_requests(self, body: dict[str, Any]) -> tuple[list[GenerateRequest], list[bool], bool]:
+        for k, v in body.items():
+            if k in _GENERATE_FIELDS:
+                continue
+            if k in _GENERATE_DEFAULT_ONLY:
+                if v is not None and v != _GENERATE_DEFAULT_ONLY[k]:
+                    raise BadRequest(f"{k}={v!r} is not supported by the embedded engine")
+                continue
+            raise BadRequest(f"unknown field {k!r} in /generate request")
+        text, input_ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (input_ids is None):
+            raise BadRequest("give exactly one of text or input_ids")
+        if text is not None:
+            if isinstance(text, str):
+                texts, batched = [text], False
+            elif isinstance(text, list) and all(isinstance(t, str) for t in text):
+                texts, batched = text, True
+            else:
+                raise BadRequest("text must be a string or a list of strings")
+            if not texts or any(not t for t in texts):
+                raise BadRequest("empty input: text must be non-empty")
+            if self.tokenizer is None:
+                raise BadRequest("this engine has no tokenizer: send input_ids")
+            prompts = [self.tokenizer(t)["input_ids"] for t in texts]
+        else:
+            if isinstance(input_ids, list) and input_ids and all(isinstance(r, list) for r in input_ids):
+                prompts, batched = input_ids, True
+            elif isinstance(input_ids, list):
+                prompts, batched = [input_ids], False
+            else:
+                raise BadRequest("input_ids must be a list of token ids or a list of such lists")
+            for row in prompts:
+                if not row:
+                    raise BadRequest("empty input: input_ids must be non-empty")
+                bad = next((t for t in row if not isinstance(t, int) or isinstance(t, bool)), None)
+                if bad is not None:
+                    raise BadRequest(f"input_ids must hold integers, got {bad!r}")
+        n = len(prompts)
+        sps = _per_item(body.get("sampling_params"), n, "sampling_params", batched)
+        rlp = _per_item(body.get("return_logprob"), n, "return_logprob", batched)
+        rid = body.get("rid")
+        if rid is None:
+            rids: list[str | None] = [None] * n
+        elif isinstance(rid, str):
+            rids = [rid] if not batched else [f"{rid}_{i}" for i in range(n)]
+        elif isinstance(rid, list) and batched and len(rid) == n and all(isinstance(r, str) for r in rid):
+            rids = rid
+        else:
+            raise BadRequest("rid must be a string, or a list of strings with one per request")
+        if len({r for r in rids if r is not None}) != len([r for r in rids if r is not None]):
+            raise BadRequest("rid: the same rid appears twice in one batch")
+        reqs = []
+        for i in range(n):
+            where = (
+                f"sampling_params[{i}]"
+                if batched and isinstance(body.get("sampling_params"), list)
+                else "sampling_params"
+            )
+            reqs.append(GenerateRequest(list(prompts[i]), parse_sampling_params(sps[i], where), rids[i]))
+            if rlp[i] is not None and not isinstance(rlp[i], bool):
+                raise BadRequest("return_logprob must be a boolean or a list of booleans")
+        for r in reqs:
+            try:
+                self.engine.check_request(r)
+            except EngineError as e:
+                raise BadRequest(str(e)) from None
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise BadRequest("stream must be a boolean")
+        return reqs, [bool(x) for x in rlp], batched
+
+    def _meta(
+        self,
+        out: GenerateOutput | None,
+        rid: str,
+        prompt_tokens: int,
+        ids: list[int],
+        lps: list[float],
+        return_logprob: bool,
+        t0: float,
+    ) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": rid,
+            "finish_reason": out.finish_reason if out is not None else None,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(ids),
+            "cached_tokens": 0,
+            "weight_version": out.weight_version if out is not None else self.engine.weight_version,
+            "e2e_latency": time.perf_counter() - t0,
+        }
+        if return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
+        return meta
+
+    def _item(self, out: GenerateOutput, return_logprob: bool, t0: float) -> dict[str, Any]:
+        return {
+            "text": out.text if out.text is not None else "",
+            "output_ids": out.output_ids,
+            "meta_info": self._meta(
+                out, out.rid, out.prompt_tokens, out.output_ids, out.output_logprobs, return_logprob, t0
+            ),
+        }
+
+    async def generate(self, body: dict[str, Any]):
+        t0 = time.perf_counter()
+        reqs, rlp, batched = self._to_requests(body)
+        loop = asyncio.get_running_loop()
+        if not body.get("stream", False):
+            handles = []
+            try:
+                for r in reqs:
+                    handles.append(self.engine.submit(r))
+            except EngineError as e:
+                for h in handles:
+                    self.engine.abort(h.rid)
+                raise BadRequest(str(e)) from None
+            outs = [await asyncio.wrap_future(h.future) for h in handles]
+            items = [self._item(o, lp, t0) for o, lp in zip(outs, rlp, strict=True)]
+            return items if batched else items[0]
+
+        queue: asyncio.Queue[tuple[int, StreamChunk]] = asyncio.Queue()
+        handles = []
+        try:
+            for i, r in enumerate(reqs):
+                handles.append(
+                    self.engine.submit(r, on_chunk=lambda c, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, c)))
+                )
+        except EngineError as e:
+            for h in handles:
+                self.engine.abort(h.rid)
+            raise BadRequest(str(e)) from None
+
+        async def events():
+            ids: list[list[int]] = [[] for _ in reqs]
+            lps: list[list[float]] = [[] for _ in reqs]
+            left = len(reqs)
+            try:
+                while left:
+                    i, chunk = await queue.get()
+                    ids[i] += chunk.token_ids
+                    lps[i] += chunk.logprobs
+                    out = chunk.output
+                    if out is not None:
+                        left -= 1
+                        text = out.text or ""
+                    else:
+                        text = self.tokenizer.decode(ids[i], skip_special_tokens=True) if self.tokenizer else ""
+                    item = {
+                        "text": text,
+                        "output_ids": list(ids[i]),
+                        "meta_info": self._meta(out, reqs[i].rid, len(reqs[i].input_ids), ids[i], lps[i], rlp[i], t0),
+                    }
+                    if batched:
+                        item["index"] = i
+                    yield f"data: {json.dumps(item)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                if left:  # the client went away: stop spending compute on it
+                    for h in handles:
+                        if not h.future.done():
+                            await asyncio.to_thread(self.engine.abort, h.rid)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    # ------------------------------------------------------------------------------------------ OpenAI chat
+    async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise BadRequest("messages must be a non-empty list of {role, content} objects")
+        if body.get("stream"):
+            raise BadRequest("stream=true is not supported on /v1/chat/completions by the embedded engine")
+        if body.get("n", 1) not in (1, None):
+            raise BadRequest("n must be 1")
+        if self.tokenizer is None:
+            raise BadRequest("this engine has no tokenizer")
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # noqa: BLE001 (template errors are the caller's input)
+            raise BadRequest(f"messages: chat template failed: {e}") from None
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        sp: dict[str, Any] = {}
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is not None:
+            sp["max_new_tokens"] = max_tokens
+        for src, dst in (
+            ("temperature", "temperature"),
+            ("top_p", "top_p"),
+            ("top_k", "top_k"),
+            ("min_p", "min_p"),
+            ("seed", "sampling_seed"),
+            ("stop", "stop"),
+            ("stop_token_ids", "stop_token_ids"),
+            ("ignore_eos", "ignore_eos"),
+        ):
+            if body.get(src) is not None:
+                sp[dst] = body[src]
+        req = GenerateRequest(list(ids), parse_sampling_params(sp, "request"), None)
+        try:
+            handle = self.engine.submit(req)
+        except EngineError as e:
+            raise BadRequest(str(e)) from None
+        out = await asyncio.wrap_future(handle.future)
+        fin = out.finish_reason
+        logprobs = None
+        if body.get("logprobs"):
+            toks = [self.tokenizer.decode([t]) for t in out.output_ids]
+            logprobs = {
+                "content": [
+                    {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
+                    for s, lp in zip(toks, out.output_logprobs, strict=True)
+                ]
+            }
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model") or self.served_model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": out.text or ""},
+                    "logprobs": logprobs,
+                    "finish_reason": fin["type"],
+                    "matched_stop": fin.get("matched"),
+                }
+            ],
+            "usage": {
+                "prompt_tokens": out.prompt_tokens,
+                "completion_tokens": len(out.output_ids),
+                "total_tokens": out.prompt_tokens + len(out.output_ids),
+            },
+            "metadata": {"weight_version": out.weight_version},
+        }
+
+    # ------------------------------------------------------------------------------------------ app
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": str(self.engine.model_path),
+            "tokenizer_path": str(self.engine.model_path),
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.engine.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(self.engine.config, "model_type", None),
+            "architectures": getattr(self.engine.config, "architectures", None),
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        e = self.engine
+        return {
+            "model_path": str(e.model_path),
+            "tokenizer_path": str(e.model_path),
+            "served_model_name": self.served_model_name,
+            "max_running_requests": e.max_running_requests,
+            "max_total_num_tokens": e.max_running_requests * e.max_total_len,
+            "context_length": e.max_total_len,
+            "dtype": str(e.dtype).removeprefix("torch."),
+            "weight_version": e.weight_version,
+            "internal_states": [e.load()],
+            "version": "sluiceway-embedded",
+        }
+
+    def _build(self):
+        app = FastAPI(title="sluiceway embedded engine", openapi_url=None)
+
+        async def json_body(request: Request, required: bool = True) -> dict[str, Any]:
+            raw = await request.body()
+            if not raw.strip():
+                if required:
+                    raise BadRequest("empty request body: expected a JSON object")
+                return {}
+            try:
+                body = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise BadRequest(f"malformed JSON: {e}") from None
+            if not isinstance(body, dict):
+                raise BadRequest("the request body must be a JSON object")
+            return body
+
+        @app.exception_handler(BadRequest)
+        async def _bad(_request: Request, exc: BadRequest):
+            return _error(str(exc))
+
+        @app.exception_handler(EngineError)
+        async def _engine_err(_request: Request, exc: EngineError):
+            return _error(str(exc))
+
+        @app.get("/health")
+        async def health():
+            ok = self.engine._thread.is_alive()
+            return Response(status_code=200 if ok else 503)
+
+        @app.get("/health_generate")
+        async def health_generate():
+            # As SGLang: if requests are in flight (or generation is paused) the engine is known to be alive.
+            load = self.engine.load()
+            if load["num_running_reqs"] or load["paused"]:
+                return Response(status_code=200)
+            req = GenerateRequest(
+                [0], SamplingParams(max_new_tokens=1, temperature=0.0), f"HEALTH_CHECK_{uuid.uuid4().hex}"
+            )
+            handle = self.engine.submit(req)
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(handle.future), timeout=20)
+            except TimeoutError:
+                return Response(status_code=503)
+            return Response(status_code=200)
+
+        @app.api_route("/generate", methods=["POST", "PUT"])
+        async def generate(request: Request):
+            return await self.generate(await json_body(request))
+
+        @app.get("/model_info")
+        @app.get("/get_model_info")
+        async def model_info():
+            return self.model_info()
+
+        @app.get("/server_info")
+        @app.get("/get_server_info")
+        async def server_info():
+            return self.server_info()
+
+        @app.get("/get_load")
+        async def get_load():
+            return self.engine.load()
+
+        @app.get("/get_weight_version")
+        async def get_weight_version():
+            return {"weight_version": self.engine.weight_version}
+
+        @app.api_route("/flush_cache", methods=["GET", "POST"])
+        async def flush_cache():
+            ok = await asyncio.to_thread(self.engine.flush_cache)
+            return Response(
+                content="Cache flushed.\n" if ok else "Cache not flushed: requests are running or waiting.\n",
+                status_code=200 if ok else 400,
+            )
+
+        @app.post("/abort_request")
+        async def abort_request(request: Request):
+            body = await json_body(request)
+            rid, abort_all = body.get("rid"), body.get("abort_all", False)
+            if not isinstance(abort_all, bool) or (rid is not None and not isinstance(rid, str)):
+                raise BadRequest('abort_request takes {"rid": str} or {"abort_all": true}')
+            if not abort_all and not rid:
+                raise BadRequest("abort_request needs a rid or abort_all=true")
+            await asyncio.to_thread(self.engine.abort, rid, abort_all)
+            return Response(status_code=200)
+
+        @app.post("/pause_generation")
+        async def pause_generation(request: Request):
+            body = await json_body(request, required=False)
+            mode = body.get("mode", "in_place")
+            if mode not in ("in_place", "retract", "abort"):
+                raise BadRequest(f"mode {mode!r}: expected in_place, retract or abort")
+            if mode == "abort":
+                await asyncio.to_thread(self.engine.abort, None, True)
+            await asyncio.to_thread(self.engine.pause)
+            return {"message": "Generation paused successfully.", "status": "ok"}
+
+        @app.post("/continue_generation")
+        async def continue_generation():
+            await asyncio.to_thread(self.engine.resume)
+            return {"message": "Generation continued successfully.", "status": "ok"}
+
+        @app.post("/update_weights_from_disk")
+        async def update_weights_from_disk(request: Request):
+            body = await json_body(request)
+            path = body.get("model_path")
+            version = body.get("weight_version")
+            if not isinstance(path, str) or not path:
+                raise BadRequest("model_path must be a non-empty string")
+            if version is not None and not isinstance(version, (str, int)):
+                raise BadRequest("weight_version must be a string")
+            if body.get("load_format") not in (None, "auto", "safetensors"):
+                raise BadRequest(f"load_format={body['load_format']!r} is not supported (safetensors only)")
+            if body.get("abort_all_requests"):
+                await asyncio.to_thread(self.engine.abort, None, True)
+            try:
+                v = await asyncio.to_thread(
+                    self.engine.update_weights_from_disk, path, None if version is None else str(version)
+                )
+            except EngineError as e:
+                return JSONResponse({"success": False, "message": str(e), "num_paused_requests": 0}, status_code=400)
+            msg = f"Succeeded to update model weights from {path}. Weight version updated to {v}."
+            return {"success": True, "message": msg, "num_paused_requests": 0}
+
+        @app.post("/update_weight_version")
+        async def update_weight_version(request: Request):
+            body = await json_body(request)
+            new = body.get("new_version")
+            if not isinstance(new, (str, int)) or isinstance(new, bool) or new == "":
+                raise BadRequest("new_version must be a non-empty string")
+            if body.get("abort_all_requests", True):
+                await asyncio.to_thread(self.engine.abort, None, True)
+            await asyncio.to_thread(self.engine.update_weight_version, str(new))
+            return {"success": True, "message": f"Weight version updated to {new}", "new_version": str(new)}
+
+        @app.get("/v1/models")
+        async def models():
+            card = {
+                "id": self.served_model_name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "sluiceway",
+                "root": self.served_model_name,
+                "max_model_len": self.engine.max_total_len,
+            }
+            return {"object": "list", "data": [card]}
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            return await self.chat(await json_body(request))
+
+        return app
+
+
+def build_app(engine: Engine, served_model_name: str | None = None):
+    return EngineServer(engine, served_model_name).app
+
+
+def serve(
+    model: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 30000,
+    max_running_requests: int = 64,
+    max_total_len: int = 1024,
+    dtype: str = "float32",
+    weight_version: str = "0",
+    seed: int | None = None,
+    log_level: str = "warning",
+) -> None:
+    """Resolve `model` (zoo name or directory), load it, and serve until interrupted (binds loopback by default)."""
+    import uvicorn
+
+    from sluiceway.infra.engine.core import dtype_from_name
+    from sluiceway.models.zoo import resolve_checkpoint
+
+    path = resolve_checkpoint(model)
+    try:
+        torch_dtype = dtype_from_name(dtype)
+    except EngineError as e:
+        from sluiceway.flows.errors import UserError
+
+        raise UserError(f"--dtype: {e}") from None
+
+    from sluiceway.flows.errors import UserError
+
+    try:
+        engine = Engine(
+            path,
+            max_running_requests=max_running_requests,
+            max_total_len=max_total_len,
+            dtype=torch_dtype,
+            weight_version=str(weight_version),
+            seed=seed,
+        )
+    except (ValueError, OSError, KeyError) as e:
+        raise UserError(f"{path}: cannot serve this model: {e}") from None
+    app = build_app(engine, served_model_name=str(model))
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+    finally:
+        engine.shutdown()

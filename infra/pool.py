@@ -1,0 +1,226 @@
+"""A pool of rollout engines behind one sglang-router: engines we start, and engines someone else runs.
+
+    with SGLangRouter(log_dir) as router, EnginePool("tiny-llama", 2, log_dir, router=router) as pool:
+        client = EngineClient(router.url, pool.urls)
+
+Started engines are ``sluiceway engine`` processes (the embedded engine, SGLang's HTTP API) on free loopback
+ports, each in its own process group with its log in ``log_dir``; they are registered with the router only
+once ``/health`` answers, so the router never sees a half-started engine. External engines
+(``--rollout-external-engine-addrs``) are attached and detached, never started or stopped.
+
+The router marks a dead worker unhealthy but keeps it listed (see :mod:`sluiceway.infra.router`); ``check()``
+is what removes dead engines from the router, and what the rollout calls between batches.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Self
+
+import httpx
+
+from sluiceway.infra.router import HOST, SGLangRouter, free_port, log_tail, stop_process_group
+
+
+class PoolError(RuntimeError):
+    pass
+
+
+@dataclass
+class Engine:
+    url: str
+    process: subprocess.Popen | None = None  # None: external, not ours to stop
+    log_path: Path | None = None
+    failures: int = field(default=0)  # consecutive failed health checks
+
+    @property
+    def external(self) -> bool:
+        return self.process is None
+
+
+def _normalize(url: str) -> str:
+    url = url.strip().rstrip("/")
+    return url if "://" in url else f"http://{url}"  # slime's addrs are often bare host:port
+
+
+class EnginePool:
+    """Owns ``num_engines`` engine processes (plus any external URLs) and keeps the router's worker list in step."""
+
+    def __init__(
+        self,
+        model: str | None,
+        num_engines: int,
+        log_dir: str | Path,
+        router: SGLangRouter | None = None,
+        external_urls: list[str] | tuple[str, ...] = (),
+        engine_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        threads_per_engine: int | None = None,
+        startup_timeout_s: float = 300.0,
+        health_timeout_s: float = 5.0,
+        failure_threshold: int = 2,
+    ) -> None:
+        if num_engines and not model:
+            raise ValueError("EnginePool: a model is needed to start engines")
+        self.model = model
+        self.num_engines = num_engines
+        self.log_dir = Path(log_dir)
+        self.router = router
+        self.external_urls = [_normalize(u) for u in external_urls]
+        self.engine_args = tuple(engine_args)
+        self.env = env
+        # Engines share the CPU: without a cap every one starts a thread per core and they thrash.
+        self.threads_per_engine = threads_per_engine or max(1, (os.cpu_count() or 1) // max(1, num_engines))
+        self.startup_timeout_s = startup_timeout_s
+        self.health_timeout_s = health_timeout_s
+        self.failure_threshold = failure_threshold
+        self.engines: list[Engine] = []
+        self._http = httpx.Client(timeout=health_timeout_s, trust_env=False)
+        self._started = False
+
+    @property
+    def urls(self) -> list[str]:
+        """Every engine still in the pool (started and external), in start order."""
+        return [e.url for e in self.engines]
+
+    def _engine_env(self) -> dict[str, str]:
+        env = dict(os.environ)  # passes SLUICEWAY_CACHE, HF_*, device settings through
+        t = str(self.threads_per_engine)
+        for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            env.setdefault(key, t)
+        env.update(self.env or {})
+        return env
+
+    def _command(self, port: int) -> list[str]:
+        return [
+            sys.executable, "-m", "sluiceway.flows.cli", "engine",
+            "--model", str(self.model), "--host", HOST, "--port", str(port),
+            *self.engine_args,
+        ]  # fmt: skip
+
+    def _spawn(self, index: int) -> Engine:
+        port = free_port()
+        log_path = self.log_dir / f"engine-{index}.log"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                self._command(port),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self._engine_env(),
+                start_new_session=True,  # own process group: stop()/kill() reach its children too
+            )
+        return Engine(url=f"http://{HOST}:{port}", process=proc, log_path=log_path)
+
+    def start(self) -> Self:
+        if self._started:
+            return self
+        self._started = True
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        atexit.register(self.stop)
+        try:
+            # All engines load their model at once; waiting one by one would serialize the startup.
+            started = [self._spawn(i) for i in range(self.num_engines)]
+            self.engines.extend(started)
+            self._wait_healthy(started, self.startup_timeout_s)
+            external = [Engine(url=u) for u in self.external_urls]
+            self._wait_healthy(external, min(self.startup_timeout_s, 60.0))
+            self.engines.extend(external)
+            if self.router is not None:
+                for e in self.engines:
+                    self.router.add_worker(e.url)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _healthy(self, url: str) -> bool:
+        try:
+            return self._http.get(f"{url}/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _wait_healthy(self, engines: list[Engine], timeout_s: float) -> None:
+        pending = list(engines)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            for e in list(pending):
+                if e.process is not None and e.process.poll() is not None:
+                    raise PoolError(
+                        f"engine {e.url} exited with code {e.process.returncode} while starting; "
+                        f"log {e.log_path}:\n{log_tail(e.log_path)}"
+                    )
+                if self._healthy(e.url):
+                    pending.remove(e)
+            if pending and time.monotonic() > deadline:
+                where = ", ".join(f"{e.url} (log {e.log_path})" if e.log_path else e.url for e in pending)
+                raise PoolError(f"engines not healthy in {timeout_s:.0f}s: {where}")
+            if pending:
+                time.sleep(0.2)
+
+    def check(self) -> list[str]:
+        """Drop engines that died (process exited, or ``failure_threshold`` failed health checks in a row):
+        they leave the pool and the router. Returns their URLs."""
+        dead: list[Engine] = []
+        for e in self.engines:
+            if e.process is not None and e.process.poll() is not None:
+                dead.append(e)
+                continue
+            # A busy engine on a loaded CPU can miss one check: only consecutive misses count.
+            e.failures = 0 if self._healthy(e.url) else e.failures + 1
+            if e.failures >= self.failure_threshold:
+                dead.append(e)
+        for e in dead:
+            self.engines.remove(e)
+            if self.router is not None:
+                self.router.remove_worker(e.url)
+            if e.process is not None:
+                stop_process_group(e.process, grace_s=1.0)  # reap it and anything it left behind
+        return [e.url for e in dead]
+
+    def kill(self, index: int) -> str:
+        """SIGKILL engine ``index`` (tests: a crash mid-rollout). It stays listed until ``check()``."""
+        e = self.engines[index]
+        if e.process is None:
+            raise PoolError(f"engine {e.url} is external: not ours to kill")
+        os.killpg(e.process.pid, signal.SIGKILL)
+        e.process.wait()
+        return e.url
+
+    def stop(self) -> None:
+        """Detach every engine from the router and stop the ones we started (external ones keep running)."""
+        for e in self.engines:
+            if self.router is not None and self.router.process is not None:
+                try:
+                    self.router.remove_worker(e.url, timeout_s=5.0)
+                except Exception:  # noqa: BLE001 - stopping must not leave engines running
+                    pass
+        ours = [e.process for e in self.engines if e.process is not None]
+        for proc in ours:  # SIGTERM all first, so they shut down side by side
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for proc in ours:
+            stop_process_group(proc)
+        self.engines.clear()
+        self._started = False
+        atexit.unregister(self.stop)
+
+    def close(self) -> None:
+        self.stop()
+        self._http.close()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,241 @@
+"""One async client for rollout engines: generation through sglang-router, control calls to every engine.
+
+The same client talks to the embedded engine, real SGLang servers, or a single engine with no router (pass
+its URL as ``router_url`` too): all speak SGLang's native HTTP API.
+
+Who retries what:
+- the router retries a ``/generate`` on another engine when the chosen one refuses the connection, drops it
+  mid-request (crash, SIGKILL) or answers 5xx, re-sending the same body, hence the same ``rid``;
+- this client retries only what the router cannot: the router itself unreachable (restarting), or answering
+  5xx because every attempt failed or no engine was available (503 while a pool is being replaced). It
+  re-sends the same ``rid`` too. A read timeout is not retried: the request may still be running and a
+  second copy would double the work; it raises.
+Either way an engine may have seen a request twice, and the caller gets one result per call: keep results
+keyed by ``rid``. 4xx answers (a bad request) raise :class:`EngineError` at once.
+
+The router does not forward ``/abort_request``, ``/pause_generation``, ``/continue_generation``,
+``/update_weights_from_disk`` or ``/model_info``: those go to each engine in ``engine_urls`` directly, which
+:meth:`add_engine`/:meth:`remove_engine` keep in step with the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+
+class EngineError(RuntimeError):
+    """A generate call failed for good, or an engine refused a control call (the message names the engine)."""
+
+
+@dataclass
+class GenerateResult:
+    rid: str
+    token_ids: list[int]
+    logprobs: list[float]  # one per token when asked for, else empty
+    finish_reason: str  # "stop" | "length" | "abort"
+    weight_version: int
+    prompt_tokens: int
+    latency_s: float  # wall time of the call, retries included
+
+
+def parse_weight_version(value: Any) -> int:
+    """SGLang reports the version as a string ("default" before any update): ints pass, anything else is 0."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+def parse_generate_response(body: dict, rid: str, prompt_len: int, latency_s: float) -> GenerateResult:
+    """A ``GenerateResult`` from SGLang's ``/generate`` JSON (one request, not a batch, not streamed)."""
+    if isinstance(body, list):  # a batch answer; we always send one request
+        body = body[0]
+    meta = body.get("meta_info") or {}
+    token_ids = [int(t) for t in body.get("output_ids") or []]
+    pairs = meta.get("output_token_logprobs") or []  # [[logprob, token_id, text-or-null], ...]
+    logprobs = [float(p[0]) for p in pairs]
+    if pairs and len(pairs) != len(token_ids):
+        raise EngineError(f"rid {rid}: {len(token_ids)} output ids but {len(pairs)} logprobs")
+    reason = meta.get("finish_reason")
+    if isinstance(reason, dict):
+        reason = reason.get("type")
+    return GenerateResult(
+        rid=rid,
+        token_ids=token_ids,
+        logprobs=logprobs,
+        finish_reason=str(reason or "abort"),  # no reason: the engine cut it off without saying why
+        weight_version=parse_weight_version(meta.get("weight_version")),
+        prompt_tokens=int(meta.get("prompt_tokens", prompt_len)),
+        latency_s=latency_s,
+    )
+
+
+def _error_text(r: httpx.Response) -> str:
+    try:
+        body = r.json()
+    except ValueError:
+        return r.text[:500]
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            return str(err.get("message") or err.get("detail") or err)
+        return str(body.get("message") or body.get("detail") or err)
+    return str(body)[:500]
+
+
+class EngineClient:
+    def __init__(
+        self,
+        router_url: str,
+        engine_urls: list[str],
+        timeout_s: float = 600,
+        max_connections: int = 256,
+        max_retries: int = 4,
+        retry_backoff_s: float = 0.5,
+    ) -> None:
+        self.router_url = router_url.rstrip("/")
+        self.engine_urls = [u.rstrip("/") for u in engine_urls]
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+        self._http = httpx.AsyncClient(
+            # pool=None: calls beyond max_connections queue for a connection instead of timing out there.
+            timeout=httpx.Timeout(timeout_s, connect=10.0, pool=None),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            trust_env=False,  # loopback and cluster addresses: never through an HTTP proxy
+        )
+
+    # --- generation ----------------------------------------------------------------------------------------
+
+    async def generate(
+        self, input_ids: list[int], sampling_params: dict, rid: str, return_logprob: bool = True
+    ) -> GenerateResult:
+        body = {"input_ids": list(input_ids), "sampling_params": sampling_params, "rid": rid}
+        if return_logprob:
+            body["return_logprob"] = True
+        start = time.monotonic()
+        last = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(min(self.retry_backoff_s * 2 ** (attempt - 1), 10.0))
+            try:
+                r = await self._http.post(f"{self.router_url}/generate", json=body)
+            except (httpx.ReadTimeout, httpx.WriteTimeout) as e:
+                raise EngineError(f"rid {rid}: no answer from {self.router_url} in time ({e!r})") from e
+            except httpx.TransportError as e:
+                # Router unreachable or connection dropped (connect/pool timeouts included): same rid again.
+                last = f"{type(e).__name__}: {e}"
+                continue
+            if r.status_code >= 500:
+                last = f"{r.status_code} {_error_text(r)}"
+                continue
+            if r.status_code >= 400:
+                raise EngineError(f"rid {rid}: {self.router_url}/generate answered {r.status_code}: {_error_text(r)}")
+            return parse_generate_response(r.json(), rid, len(input_ids), time.monotonic() - start)
+        raise EngineError(f"rid {rid}: {self.router_url}/generate failed {self.max_retries + 1} times; last: {last}")
+
+    # --- control: each engine --------------------------------------------------------------------------------
+
+    async def _call(self, method: str, url: str, path: str, json: dict | None, timeout: float | None) -> Any:
+        kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        if json is not None:
+            kwargs["json"] = json
+        try:
+            r = await self._http.request(method, f"{url}{path}", **kwargs)
+        except httpx.HTTPError as e:
+            raise EngineError(f"{url}{path}: {type(e).__name__}: {e}") from e
+        if r.status_code >= 400:
+            raise EngineError(f"{url}{path} answered {r.status_code}: {_error_text(r)}")
+        try:
+            body = r.json()
+        except ValueError:
+            return r.text
+        # SGLang reports some failures as 200 with success=false.
+        if isinstance(body, dict) and body.get("success") is False:
+            raise EngineError(f"{url}{path} failed: {body.get('message', body)}")
+        return body
+
+    async def _broadcast(
+        self, method: str, path: str, json: dict | None = None, timeout: float | None = None, strict: bool = True
+    ) -> dict[str, Any]:
+        """The call on every engine at once; ``strict``: one error naming every engine that failed."""
+        urls = list(self.engine_urls)
+        results = await asyncio.gather(
+            *(self._call(method, u, path, json, timeout) for u in urls), return_exceptions=True
+        )
+        failed = [str(r) for r in results if isinstance(r, BaseException)]
+        if strict and failed:
+            raise EngineError(f"{len(failed)} of {len(urls)} engines failed: " + "; ".join(failed))
+        return {u: r for u, r in zip(urls, results, strict=True) if not isinstance(r, BaseException)}
+
+    async def abort(self, rid: str) -> None:
+        """Abort ``rid`` wherever it runs (best effort: an engine that died has nothing to abort)."""
+        await self._broadcast("POST", "/abort_request", {"rid": rid}, strict=False)
+
+    async def abort_all(self) -> None:
+        """Abort every request in flight; each returns its tokens so far with finish reason "abort"."""
+        await self._broadcast("POST", "/abort_request", {"rid": "", "abort_all": True}, strict=False)
+
+    async def pause(self, mode: str | None = None) -> None:
+        """Stop scheduling on every engine (SGLang's ``mode``: "abort" | "retract" | "in_place")."""
+        await self._broadcast("POST", "/pause_generation", {} if mode is None else {"mode": mode})
+
+    async def resume(self) -> None:
+        await self._broadcast("POST", "/continue_generation", {})
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None:
+        """Every engine loads ``model_path`` and reports ``weight_version``; raises if any engine fails."""
+        await self._broadcast(
+            "POST",
+            "/update_weights_from_disk",
+            {"model_path": str(model_path), "weight_version": str(weight_version)},
+        )
+
+    async def flush_cache(self) -> None:
+        await self._broadcast("POST", "/flush_cache")
+
+    async def _model_info(self, url: str) -> dict:
+        try:
+            return await self._call("GET", url, "/model_info", None, 30.0)
+        except EngineError:  # older SGLang only has the get_ name
+            return await self._call("GET", url, "/get_model_info", None, 30.0)
+
+    async def weight_versions(self) -> dict[str, int]:
+        urls = list(self.engine_urls)
+        infos = await asyncio.gather(*(self._model_info(u) for u in urls))
+        return {u: parse_weight_version(i.get("weight_version")) for u, i in zip(urls, infos, strict=True)}
+
+    async def health(self, timeout_s: float = 5.0) -> dict[str, bool]:
+        async def ok(url: str) -> bool:
+            try:
+                return (await self._http.get(f"{url}/health", timeout=timeout_s)).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        urls = list(self.engine_urls)
+        return dict(zip(urls, await asyncio.gather(*(ok(u) for u in urls)), strict=True))
+
+    # --- membership ------------------------------------------------------------------------------------------
+
+    def add_engine(self, url: str) -> None:
+        url = url.rstrip("/")
+        if url not in self.engine_urls:
+            self.engine_urls.append(url)
+
+    def remove_engine(self, url: str) -> None:
+        url = url.rstrip("/")
+        if url in self.engine_urls:
+            self.engine_urls.remove(url)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()

@@ -1,0 +1,43 @@
+"""Weight sync through a shared directory: each new version becomes an HF model directory that engines load
+with SGLang's `/update_weights_from_disk`.
+
+A version directory holds the base model's config and tokenizer files plus the new `model.safetensors`,
+so it is a complete model an SGLang server could also start from. It is written under a temporary name and
+renamed, so an engine never sees half a file. Only the newest `keep` versions stay on disk.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+_MODEL_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def version_dir(root: Path, version: int) -> Path:
+    return root / f"v{version:06d}"
+
+
+def write_weight_version(
+    state_dict: dict[str, torch.Tensor], base_model_dir: Path, root: Path, version: int, keep: int = 2
+) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    final = version_dir(root, version)
+    if final.exists():  # a retried sync of the same version: the directory is complete (it was renamed)
+        return final
+    tmp = root / f".tmp-v{version:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for f in Path(base_model_dir).iterdir():
+        if f.is_file() and f.name not in _MODEL_FILES:
+            shutil.copy2(f, tmp / f.name)
+    # safetensors refuses shared storage; tied embeddings appear once (HF re-ties lm_head on load).
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt", "weight_version": str(version)})
+    tmp.rename(final)
+    for old in sorted(root.glob("v*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
