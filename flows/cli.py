@@ -91,7 +91,12 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        from sluiceway.infra.sglang_launcher import split_sglang_args
+
+        argv, sglang_args = split_sglang_args(list(sys.argv[1:] if argv is None else argv))
         args = make_parser().parse_args(argv)
+        if sglang_args:
+            vars(args)["rollout.sglang_server_args"] = sglang_args
         if args.command == "models":
             from sluiceway.models.zoo import ZOO
 

@@ -69,6 +69,13 @@ class RolloutConfig(_Group):
         description="'module:fn' or 'file.py:fn': an async function driving multi-turn generation "
         "(see tasks/rollout/multiturn.py).",
     )
+    rollout_engine: Literal["embedded", "sglang"] = Field(
+        "embedded", description="What serves generation: sluiceway's embedded CPU engine, or SGLang servers (GPU)."
+    )
+    rollout_num_gpus_per_engine: int = Field(1, ge=1, description="SGLang: GPUs (tensor parallel size) per engine.")
+    sglang_server_args: list[str] | None = Field(
+        None, description="Extra SGLang server flags; on the command line write --sglang-X VALUE for --X VALUE."
+    )
     rollout_num_engines: int = Field(1, ge=0, description="Embedded engines to start behind the router.")
     rollout_external_engine_addrs: list[str] | None = Field(
         None, description="URLs of engines someone else runs (SGLang servers or `sluiceway engine`) to attach."

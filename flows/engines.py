@@ -13,7 +13,8 @@ from pathlib import Path
 from sluiceway.flows.config import RunConfig
 from sluiceway.infra.aio import BackgroundLoop
 from sluiceway.infra.pool import EnginePool
-from sluiceway.infra.router import SGLangRouter
+from sluiceway.infra.router import HOST, SGLangRouter
+from sluiceway.infra.sglang_launcher import require_sglang, sglang_server_command
 from sluiceway.tasks.rollout.client import EngineClient
 
 
@@ -27,6 +28,24 @@ class RolloutEngines:
             "--max-running-requests", str(r.engine_max_running_requests), "--max-total-len", str(max_total),
             "--dtype", "bfloat16" if cfg.training.bf16 else "float32", "--weight-version", str(weight_version),
         )  # fmt: skip
+        launcher = None
+        if r.rollout_engine == "sglang":
+            require_sglang()
+            tp = r.rollout_num_gpus_per_engine
+
+            def launcher(index: int, port: int) -> tuple[list[str], dict[str, str]]:
+                gpus = ",".join(str(g) for g in range(index * tp, (index + 1) * tp))  # engine i: its own GPUs
+                cmd = sglang_server_command(
+                    str(model_dir),
+                    HOST,
+                    port,
+                    tp_size=tp,
+                    dtype="bfloat16" if cfg.training.bf16 else "auto",
+                    seed=cfg.training.seed,
+                    extra_args=r.sglang_server_args or [],
+                )
+                return cmd, {"CUDA_VISIBLE_DEVICES": gpus}
+
         self.router = SGLangRouter(log_dir).start()
         try:
             self.pool = EnginePool(
@@ -37,6 +56,7 @@ class RolloutEngines:
                 external_urls=r.rollout_external_engine_addrs or (),
                 engine_args=engine_args,
                 env=dict(os.environ),
+                launcher=launcher,
             ).start()
         except BaseException:
             self.router.close()

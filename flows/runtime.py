@@ -17,6 +17,7 @@ import torch
 from sluiceway.flows.config import RunConfig
 from sluiceway.flows.engines import RolloutEngines
 from sluiceway.flows.errors import UserError
+from sluiceway.infra.sglang_launcher import require_sglang
 from sluiceway.models.chat import encode_prompt, render_prompt
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.storage.datasets import import_prompts, import_records, load_prompts
@@ -98,6 +99,8 @@ class Prepared:
 
 
 def prepare(cfg: RunConfig) -> Prepared:
+    if cfg.rollout.rollout_engine == "sglang":
+        require_sglang()
     if cfg.resources.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is available (use --device cpu)")
     if cfg.resources.num_threads:

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
@@ -66,6 +67,7 @@ class EnginePool:
         startup_timeout_s: float = 300.0,
         health_timeout_s: float = 5.0,
         failure_threshold: int = 2,
+        launcher: Callable[[int, int], tuple[list[str], dict[str, str]]] | None = None,
     ) -> None:
         if num_engines and not model:
             raise ValueError("EnginePool: a model is needed to start engines")
@@ -76,6 +78,9 @@ class EnginePool:
         self.external_urls = [_normalize(u) for u in external_urls]
         self.engine_args = tuple(engine_args)
         self.env = env
+        # (engine index, port) -> (command, extra env): how to start an engine other than `sluiceway engine`,
+        # e.g. an SGLang server pinned to its GPUs (infra/sglang_launcher.py).
+        self.launcher = launcher
         # Engines share the CPU: without a cap every one starts a thread per core and they thrash.
         self.threads_per_engine = threads_per_engine or max(1, (os.cpu_count() or 1) // max(1, num_engines))
         self.startup_timeout_s = startup_timeout_s
@@ -108,13 +113,14 @@ class EnginePool:
     def _spawn(self, index: int) -> Engine:
         port = free_port()
         log_path = self.log_dir / f"engine-{index}.log"
+        command, extra_env = self.launcher(index, port) if self.launcher else (self._command(port), {})
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
-                self._command(port),
+                command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=self._engine_env(),
+                env={**self._engine_env(), **extra_env},
                 start_new_session=True,  # own process group: stop()/kill() reach its children too
             )
         return Engine(url=f"http://{HOST}:{port}", process=proc, log_path=log_path)
