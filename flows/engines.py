@@ -7,6 +7,7 @@ can use it.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from sluiceway.infra.pool import EnginePool
 from sluiceway.infra.router import HOST, SGLangRouter
 from sluiceway.infra.sglang_launcher import require_sglang, sglang_server_command
 from sluiceway.tasks.rollout.client import EngineClient
+
+log = logging.getLogger("sluiceway")
 
 
 class RolloutEngines:
@@ -70,7 +73,18 @@ class RolloutEngines:
     def run(self, coro):
         return self.loop.run(coro)
 
+    def prune_dead(self) -> list[str]:
+        """Drop engines that died from the pool, the router and the client; the run goes on with the rest."""
+        dead = self.pool.check()
+        for url in dead:
+            self.client.remove_engine(url)
+            log.warning("engine %s is dead and left the pool (%d left)", url, len(self.pool.urls))
+        if not self.pool.urls:
+            raise RuntimeError(f"every rollout engine is dead; see the logs in {self.pool.log_dir}")
+        return dead
+
     def update_weights(self, model_dir: Path, version: int) -> None:
+        self.prune_dead()  # a dead engine cannot take the update; the router already routes around it
         self.run(self.client.update_weights_from_disk(str(model_dir), version))
 
     def close(self) -> None:

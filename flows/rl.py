@@ -31,6 +31,7 @@ from sluiceway.tasks.train.batch import build_train_samples, rollout_metrics
 @task(name="rollout", cache_policy=NO_CACHE, persist_result=False)
 def rollout_task(run_id: str, step: int) -> dict:
     rt = runtime.get(run_id)
+    rt.engines.prune_dead()
     s = rt.settings
     idx = prompt_indices_for_step(len(rt.prompts), step, s.groups_submitted, rt.cfg.training.seed)
     work = plan_step(rt.store, run_id, step, [rt.prompts[i] for i in idx], s, rt.prompts)
