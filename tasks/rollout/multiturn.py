@@ -15,13 +15,11 @@ never re-tokenized (re-tokenizing decoded text can change the ids and silently b
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from sluiceway.flows.errors import UserError
+from sluiceway.flows.plugins import load_function
 
 
 @dataclass
@@ -92,22 +90,7 @@ def load_custom_generate(path: str) -> CustomGenerate:
     """'pkg.module:fn' or 'path/to/file.py:fn' naming an async function."""
     import inspect
 
-    target, sep, name = path.rpartition(":")
-    if not sep or not target or not name:
-        raise UserError(f"--custom-generate-function-path {path}: expected 'module:function' or 'file.py:function'")
-    if target.endswith(".py"):
-        file = Path(target)
-        if not file.is_file():
-            raise UserError(f"--custom-generate-function-path {path}: file {file} not found")
-        spec = importlib.util.spec_from_file_location(f"sluiceway_custom_generate_{file.stem}", file)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as e:
-            raise UserError(f"--custom-generate-function-path {path}: cannot import {target} ({e})") from None
-    fn = getattr(module, name, None)
+    fn = load_function(path, "--custom-generate-function-path")
     if not inspect.iscoroutinefunction(fn):
-        raise UserError(f"--custom-generate-function-path {path}: '{name}' must be an async function")
+        raise UserError(f"--custom-generate-function-path {path}: '{fn.__name__}' must be an async function")
     return fn
