@@ -69,6 +69,18 @@ class RolloutConfig(_Group):
         description="'module:fn' or 'file.py:fn': an async function driving multi-turn generation "
         "(see tasks/rollout/multiturn.py).",
     )
+    dynamic_sampling_filter_path: str | None = Field(
+        None,
+        description="Drop groups at rollout time and over-sample until enough pass: 'zero_std' (DAPO), "
+        "'truncated', or 'module:fn' returning keep (True) or a drop reason.",
+    )
+    max_staleness: int | None = Field(
+        None, ge=0, description="Drop groups with tokens from weights more than N versions behind the trainer."
+    )
+    filter_truncated: bool = Field(False, description="Drop groups with a response that hit the length limit.")
+    filter_overlong_len: int | None = Field(
+        None, ge=1, description="Drop groups with a response longer than this many tokens."
+    )
     rollout_engine: Literal["embedded", "sglang"] = Field(
         "embedded", description="What serves generation: sluiceway's embedded CPU engine, or SGLang servers (GPU)."
     )
@@ -88,6 +100,13 @@ class RewardConfig(_Group):
     custom_rm_path: str | None = Field(
         None, description="'module.path:function' or 'file.py:function' scoring one sample (overrides rm_type)."
     )
+    group_rm: bool = Field(
+        False, description="custom_rm_path scores a whole group at once: fn(responses, labels, samples) -> rewards."
+    )
+    reward_key: str | None = Field(
+        None, description="When a scorer returns a dict of values, the key that is the reward (the rest is kept)."
+    )
+    reward_timeout_s: float = Field(30.0, gt=0, description="A sample whose scorer takes longer gets reward 0.")
 
 
 class AlgorithmConfig(_Group):

@@ -20,6 +20,8 @@ from sluiceway.flows.config import RunConfig
 from sluiceway.storage.metrics import append_metrics
 from sluiceway.storage.trajectories import read_trajectories
 from sluiceway.tasks.evaluate.evaluate import evaluate
+from sluiceway.tasks.filter.apply import filter_step
+from sluiceway.tasks.filter.filters import build_filters
 from sluiceway.tasks.reward.score import score_step
 from sluiceway.tasks.rollout.rollout import plan_step, prompt_indices_for_step, run_rollout
 from sluiceway.tasks.train.batch import build_train_samples, rollout_metrics
@@ -37,7 +39,14 @@ def rollout_task(run_id: str, step: int) -> dict:
     work = plan_step(rt.store, run_id, step, [rt.prompts[i] for i in idx], s, rt.prompts)
     res = rt.engines.run(
         run_rollout(
-            client=rt.engines.client, store=rt.store, run_id=run_id, step=step, work=work, settings=s, decode=rt.decode
+            group_filter=rt.prep.rollout_filter,
+            client=rt.engines.client,
+            store=rt.store,
+            run_id=run_id,
+            step=step,
+            work=work,
+            settings=s,
+            decode=rt.decode,
         )
     )
     return dataclasses.asdict(res)
@@ -46,7 +55,14 @@ def rollout_task(run_id: str, step: int) -> dict:
 @task(name="reward", cache_policy=NO_CACHE, persist_result=False)
 def reward_task(run_id: str, step: int) -> dict:
     rt = runtime.get(run_id)
-    return dataclasses.asdict(score_step(store=rt.store, run_id=run_id, step=step, scorer=rt.scorer))
+    return dataclasses.asdict(score_step(store=rt.store, run_id=run_id, step=step, settings=rt.rewards))
+
+
+@task(name="filter", cache_policy=NO_CACHE, persist_result=False)
+def filter_task(run_id: str, step: int) -> dict:
+    rt = runtime.get(run_id)
+    filters = build_filters(rt.cfg.rollout, current_version=rt.trainer.weight_version)
+    return filter_step(store=rt.store, run_id=run_id, step=step, filters=filters).metrics()
 
 
 @task(name="train", cache_policy=NO_CACHE, persist_result=False)
@@ -87,7 +103,7 @@ def eval_task(run_id: str, trained_steps: int) -> dict:
             client=rt.engines.client,
             prompts=rt.prep.eval_prompts,
             settings=rt.settings,
-            scorer=rt.scorer,
+            reward_settings=rt.rewards,
             n_samples=c.eval.n_samples_per_eval_prompt,
             tag=f"{run_id}/{trained_steps}",
             decode=rt.decode,
@@ -103,8 +119,8 @@ def eval_task(run_id: str, trained_steps: int) -> dict:
 def format_step(step: int, total: int, m: dict, seconds: float) -> str:
     return (
         f"step {step + 1:>3}/{total}  reward {m['reward_mean']:.3f}  len {m['response_len_mean']:5.1f}"
-        f"  zero-std groups {m['zero_std_group_frac']:.2f}  loss {m['train/loss']:+.4f}"
-        f"  grad {m['train/grad_norm']:.3f}  v{int(m['weight_version'])}  {seconds:.1f}s"
+        f"  zero-std groups {m['zero_std_group_frac']:.2f}  loss {m.get('train/loss', float('nan')):+.4f}"
+        f"  grad {m.get('train/grad_norm', float('nan')):.3f}  v{int(m['weight_version'])}  {seconds:.1f}s"
     )
 
 
@@ -125,7 +141,9 @@ def rl_flow(config: dict) -> dict:
             t0 = time.perf_counter()
             roll = rollout_task(cfg.run_id, step)
             rew = reward_task(cfg.run_id, step)
+            kept = filter_task(cfg.run_id, step)
             m = train_task(cfg.run_id, step)
+            m.update(kept)
             sync_task(cfg.run_id, step)
             m.update(
                 {

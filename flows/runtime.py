@@ -1,4 +1,4 @@
-"""What a run holds in memory between stages: store, tokenizer, prompts, engines, trainer, scorer.
+"""What a run holds in memory between stages: store, tokenizer, prompts, engines, trainer, reward settings.
 
 Prefect task parameters must stay small and JSON-able (DESIGN.md), so tasks receive (run_id, step) and
 find the live objects here. Everything durable -- data, trajectories, rewards, metrics, checkpoints --
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.storage.datasets import import_prompts, import_records, load_prompts
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.tasks.environments import generate_env
+from sluiceway.tasks.filter.filters import scoring_filter, user_filter
+from sluiceway.tasks.reward.score import RewardSettings
 from sluiceway.tasks.reward.scorers import get_scorer
 from sluiceway.tasks.rollout.multiturn import load_custom_generate
 from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings
@@ -93,9 +96,10 @@ class Prepared:
     hf_dir: Path
     tokenizer: object
     prompts: list[PromptItem]
-    scorer: object
+    rewards: RewardSettings
     settings: RolloutSettings
     eval_prompts: list[PromptItem]
+    rollout_filter: Callable | None  # dynamic sampling: scores a finished group and may drop it
 
 
 def prepare(cfg: RunConfig) -> Prepared:
@@ -106,7 +110,15 @@ def prepare(cfg: RunConfig) -> Prepared:
     if cfg.resources.num_threads:
         torch.set_num_threads(cfg.resources.num_threads)
     store = ObjectStore.from_uri(cfg.tables_uri, cfg.storage.s3_endpoint_url, cfg.storage.s3_region)
-    scorer = get_scorer(cfg.reward.rm_type, cfg.reward.custom_rm_path)
+    rw = cfg.reward
+    if rw.group_rm and not rw.custom_rm_path:
+        raise UserError("--group-rm needs --custom-rm-path (a function scoring a whole group)")
+    reward_settings = RewardSettings(
+        get_scorer(rw.rm_type, rw.custom_rm_path), rw.reward_timeout_s, rw.group_rm, rw.reward_key
+    )
+    rollout_filter = None
+    if cfg.rollout.dynamic_sampling_filter_path:
+        rollout_filter = scoring_filter(reward_settings, [user_filter(cfg.rollout.dynamic_sampling_filter_path)])
     rows = load_dataset(cfg, store, cfg.data.prompt_data, cfg.data.env_size, cfg.training.seed)
     if len(rows) == 0:
         raise UserError(f"--prompt-data {cfg.data.prompt_data}: no prompts")
@@ -129,7 +141,7 @@ def prepare(cfg: RunConfig) -> Prepared:
         custom_generate=load_custom_generate(r.custom_generate_function_path) if r.custom_generate_function_path
         else None, tokenizer=tokenizer,
     )  # fmt: skip
-    return Prepared(store, hf_dir, tokenizer, prompts, scorer, settings, eval_prompts)
+    return Prepared(store, hf_dir, tokenizer, prompts, reward_settings, settings, eval_prompts, rollout_filter)
 
 
 @dataclass
@@ -143,7 +155,7 @@ class Runtime:
     # Shortcuts used by the stages.
     store = property(lambda self: self.prep.store)
     prompts = property(lambda self: self.prep.prompts)
-    scorer = property(lambda self: self.prep.scorer)
+    rewards = property(lambda self: self.prep.rewards)
     settings = property(lambda self: self.prep.settings)
 
     @property

@@ -102,39 +102,35 @@ def existing_group_ids(store: ObjectStore, run_id: str, step: int) -> set[int]:
     return set(pc.unique(table.column("group_id")).to_pylist())
 
 
-def set_rewards(
-    store: ObjectStore,
-    run_id: str,
-    step: int,
-    rewards: list[tuple[int, int, float, str | None]],
+def update_samples(
+    store: ObjectStore, run_id: str, step: int, keys: list[tuple[int, int]], columns: dict[str, pa.Array], what: str
 ) -> int:
-    """Set ``reward`` and ``reward_details`` for ``(group_id, sample_index, reward, details)`` of one step.
+    """Set `columns` on the samples `keys` = [(group_id, sample_index)] of one step.
 
     A Delta merge restricted to the (run_id, step) partition; rows whose values already match are left
-    alone, so re-applying the same rewards commits nothing. Returns the number of rows changed. Every key
-    must exist (a reward for an unknown sample is a bug upstream, not something to drop).
+    alone, so re-applying the same update commits nothing. Returns the number of rows changed. Every key
+    must exist (an update for an unknown sample is a bug upstream, not something to drop).
     """
-    if not rewards:
+    if not keys:
         return 0
-    keys = [(int(g), int(s)) for g, s, _, _ in rewards]
+    keys = [(int(g), int(i)) for g, i in keys]
     if len(set(keys)) != len(keys):
-        raise ValueError(f"set_rewards: duplicate (group_id, sample_index) keys for {run_id} step {step}")
+        raise ValueError(f"{what}: duplicate (group_id, sample_index) keys for {run_id} step {step}")
     present = read_trajectories_keys(store, run_id, step)
     missing = [k for k in keys if k not in present]
     if missing:
         raise ValueError(
-            f"set_rewards: {len(missing)} (group_id, sample_index) keys not stored for {run_id} step {step}, "
+            f"{what}: {len(missing)} (group_id, sample_index) keys not stored for {run_id} step {step}, "
             f"e.g. {missing[:3]}"
         )
-    n = len(rewards)
+    n = len(keys)
     source = pa.table(
         {
             "run_id": pa.array([run_id] * n, pa.string()),
             "step": pa.array([step] * n, pa.int64()),
             "group_id": pa.array([k[0] for k in keys], pa.int64()),
             "sample_index": pa.array([k[1] for k in keys], pa.int64()),
-            "reward": pa.array([None if r is None else float(r) for _, _, r, _ in rewards], pa.float64()),
-            "reward_details": pa.array([_json_text(d, "reward_details") for _, _, _, d in rewards], pa.string()),
+            **columns,
         }
     )
     # Literals on the partition columns let deltalake prune every other partition before joining.
@@ -143,19 +139,35 @@ def set_rewards(
         "AND t.run_id = s.run_id AND t.step = s.step "
         "AND t.group_id = s.group_id AND t.sample_index = s.sample_index"
     )
+    changed = " OR ".join(f"(t.{c} IS DISTINCT FROM s.{c})" for c in columns)
     dt = open_table(store, TRAJECTORIES)
     with store.redacting():
         metrics = (
             dt.merge(source, predicate=predicate, source_alias="s", target_alias="t")
-            .when_matched_update(
-                updates={"reward": "s.reward", "reward_details": "s.reward_details"},
-                predicate=(
-                    "(t.reward IS DISTINCT FROM s.reward) OR (t.reward_details IS DISTINCT FROM s.reward_details)"
-                ),
-            )
+            .when_matched_update(updates={c: f"s.{c}" for c in columns}, predicate=changed)
             .execute()
         )
     return int(metrics["num_target_rows_updated"])
+
+
+def set_rewards(
+    store: ObjectStore,
+    run_id: str,
+    step: int,
+    rewards: list[tuple[int, int, float, str | None]],
+) -> int:
+    """Set ``reward`` and ``reward_details`` for ``(group_id, sample_index, reward, details)`` of one step."""
+    columns = {
+        "reward": pa.array([None if r is None else float(r) for _, _, r, _ in rewards], pa.float64()),
+        "reward_details": pa.array([_json_text(d, "reward_details") for _, _, _, d in rewards], pa.string()),
+    }
+    return update_samples(store, run_id, step, [(g, i) for g, i, _, _ in rewards], columns, "set_rewards")
+
+
+def set_filter_reasons(store: ObjectStore, run_id: str, step: int, reasons: list[tuple[int, int, str | None]]) -> int:
+    """Mark samples as dropped from training (reason) or kept (None); dropped rows stay in the table."""
+    columns = {"filter_reason": pa.array([r for _, _, r in reasons], pa.string())}
+    return update_samples(store, run_id, step, [(g, i) for g, i, _ in reasons], columns, "set_filter_reasons")
 
 
 def read_trajectories_keys(store: ObjectStore, run_id: str, step: int) -> set[tuple[int, int]]:

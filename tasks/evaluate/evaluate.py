@@ -7,7 +7,9 @@ passing sample among n. Seeds are fixed per (prompt, sample), so the same weight
 from __future__ import annotations
 
 import asyncio
+import json
 
+from sluiceway.tasks.reward.score import RewardSettings, score_rows
 from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings, sample_seed
 
 EVAL_STEP = 999_983  # seeds for evaluation never collide with a training step's
@@ -18,7 +20,7 @@ async def evaluate(
     client,
     prompts: list[PromptItem],
     settings: RolloutSettings,
-    scorer,
+    reward_settings: RewardSettings,
     n_samples: int,
     tag: str,
     decode,
@@ -26,7 +28,7 @@ async def evaluate(
     s = settings
     sem = asyncio.Semaphore(s.max_concurrency)
 
-    async def one(g: int, i: int) -> float:
+    async def one(g: int, i: int) -> dict:
         p = prompts[g]
         params = {
             "max_new_tokens": s.max_new_tokens,
@@ -37,13 +39,22 @@ async def evaluate(
         }
         async with sem:
             res = await client.generate(p.token_ids, params, rid=f"eval/{tag}/{g}/{i}")
-        try:
-            reward, _ = scorer(decode(res.token_ids), p.label, {"prompt": p.text, "metadata": p.metadata})
-        except Exception:  # a scorer failure counts as a miss, as in training
-            reward = 0.0
-        return float(reward)
+        # The shape of a trajectory row, so any scorer (per sample or per group) sees what training gives it.
+        return {
+            "group_id": g,
+            "sample_index": i,
+            "prompt_id": p.prompt_id,
+            "prompt": p.text,
+            "label": p.label,
+            "response_text": decode(res.token_ids),
+            "response_token_ids": res.token_ids,
+            "metadata": json.dumps(p.metadata),
+        }
 
-    rewards = await asyncio.gather(*(one(g, i) for g in range(len(prompts)) for i in range(n_samples)))
+    rows = await asyncio.gather(*(one(g, i) for g in range(len(prompts)) for i in range(n_samples)))
+    # A scorer failure counts as a miss (reward 0), as in training.
+    scored = await asyncio.to_thread(score_rows, list(rows), reward_settings)
+    rewards = [reward for reward, _ in scored]
     passed = [any(r >= 1.0 for r in rewards[g * n_samples : (g + 1) * n_samples]) for g in range(len(prompts))]
     return {
         "eval/reward_mean": sum(rewards) / max(len(rewards), 1),

@@ -1,15 +1,85 @@
 """The reward stage, without Prefect: score a step's unscored trajectories and store the rewards.
 
 Only rows whose reward is still null are scored, so a re-run scores nothing twice. A scorer that raises
-gives that sample reward 0 with the error recorded; the step goes on.
+or runs past its time limit gives that sample reward 0, with `reward_status` ("error" or "timeout") and a
+message in `reward_details`; the step goes on.
+
+Scorers (see scorers.py) take one sample: (response, label, sample) -> float | (float, details) | dict.
+With --group-rm the user's function takes a whole group: (responses, labels, samples) -> list of the same.
+With --reward-key a dict result's value under that key is the reward and the rest goes to the details.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sluiceway.storage.trajectories import read_trajectories, set_rewards
+
+# Scorer threads that time out cannot be killed (Python threads); they finish in the background while the
+# step goes on. Code execution runs in a sandboxed process with its own limits for that reason.
+_POOL = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="sluiceway-reward")
+
+
+@dataclass
+class RewardSettings:
+    scorer: Callable  # per sample, or per group with group_rm
+    timeout_s: float = 30.0
+    group_rm: bool = False
+    reward_key: str | None = None
+
+
+def as_reward(out, reward_key: str | None) -> tuple[float, dict]:
+    if isinstance(out, dict):
+        if reward_key is None:
+            raise ValueError(f"scorer returned a dict ({sorted(out)}) but --reward-key is not set")
+        if reward_key not in out:
+            raise ValueError(f"scorer result has no key {reward_key!r} (keys: {sorted(out)})")
+        return float(out[reward_key]), {k: v for k, v in out.items() if k != reward_key}
+    if isinstance(out, tuple):
+        reward, details = out
+        return float(reward), dict(details or {})
+    return float(out), {}
+
+
+def _failed(status: str, message: str) -> tuple[float, dict]:
+    return 0.0, {"reward_status": status, "message": message[:2000]}
+
+
+def score_rows(rows: list[dict], s: RewardSettings) -> list[tuple[float, dict]]:
+    """(reward, details) for each row; failures and timeouts become reward 0 with their reason."""
+    if s.group_rm:
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            groups.setdefault(r["group_id"], []).append(i)
+        out: list[tuple[float, dict]] = [(0.0, {})] * len(rows)
+        for idx in groups.values():
+            members = [rows[i] for i in idx]
+            fut = _POOL.submit(s.scorer, [m["response_text"] for m in members], [m["label"] for m in members], members)
+            try:
+                results = fut.result(timeout=s.timeout_s)
+                if len(results) != len(idx):
+                    raise ValueError(f"group scorer returned {len(results)} rewards for {len(idx)} samples")
+                scored = [as_reward(x, s.reward_key) for x in results]
+            except cf.TimeoutError:
+                scored = [_failed("timeout", f"group scorer took longer than {s.timeout_s}s")] * len(idx)
+            except Exception as e:  # a user's scorer must not stop the run
+                scored = [_failed("error", f"{type(e).__name__}: {e}")] * len(idx)
+            for i, x in zip(idx, scored):
+                out[i] = x
+        return out
+    futures = [_POOL.submit(s.scorer, r["response_text"], r["label"], r) for r in rows]
+    out = []
+    for fut in futures:
+        try:
+            out.append(as_reward(fut.result(timeout=s.timeout_s), s.reward_key))
+        except cf.TimeoutError:
+            out.append(_failed("timeout", f"scorer took longer than {s.timeout_s}s"))
+        except Exception as e:
+            out.append(_failed("error", f"{type(e).__name__}: {e}"))
+    return out
 
 
 @dataclass
@@ -20,17 +90,16 @@ class RewardResult:
     errors: int
 
 
-def score_step(*, store, run_id: str, step: int, scorer) -> RewardResult:
+def score_step(*, store, run_id: str, step: int, settings: RewardSettings) -> RewardResult:
     rows = read_trajectories(store, run_id, step).to_pylist()
     # Aborted rows are unfinished partials: they are scored in the step that completes them.
     pending = [r for r in rows if r["reward"] is None and r["status"] != "aborted"]
-    updates, errors = [], 0
-    for r in pending:
-        try:
-            reward, details = scorer(r["response_text"], r["label"], r)
-        except Exception as e:  # a user's scorer must not stop the run; the reason is kept with the sample
-            reward, details, errors = 0.0, {"error": f"{type(e).__name__}: {e}"}, errors + 1
-        updates.append((r["group_id"], r["sample_index"], float(reward), json.dumps(details, default=str)))
+    results = score_rows(pending, settings)
+    updates = [
+        (r["group_id"], r["sample_index"], reward, json.dumps(details, default=str))
+        for r, (reward, details) in zip(pending, results)
+    ]
     if updates:
         set_rewards(store, run_id, step, updates)
+    errors = sum("reward_status" in details for _, details in results)
     return RewardResult(step, len(updates), len(rows) - len(pending), errors)

@@ -18,15 +18,10 @@ def load_custom(path: str) -> Scorer:
     return load_function(path, "--custom-rm-path")
 
 
-def get_scorer(rm_type: str, custom_rm_path: str | None) -> Callable[[str, str, dict], tuple[float, dict]]:
+def get_scorer(rm_type: str, custom_rm_path: str | None) -> Callable:
+    """A per-sample scorer; its result (float, (float, details) or dict) is interpreted by reward/score.py."""
     if custom_rm_path:
-        fn = load_custom(custom_rm_path)
-
-        def custom(response: str, label: str, sample: dict) -> tuple[float, dict]:
-            out = fn(response, label, sample)
-            return (float(out[0]), dict(out[1])) if isinstance(out, tuple) else (float(out), {})
-
-        return custom
+        return load_custom(custom_rm_path)  # (response, label, sample) or, with --group-rm, whole groups
     if rm_type not in BUILTIN:
         raise UserError(f"--rm-type {rm_type}: unknown (built-in: {', '.join(BUILTIN)}; or use --custom-rm-path)")
     builtin = BUILTIN[rm_type]

@@ -107,8 +107,15 @@ class PolicyTrainer:
         return token_logprobs_and_entropy(model, ids, temperature=self.temperature)
 
     def train_rollout(self, samples: list[TrainSample], step: int) -> dict[str, float]:
-        """num_steps_per_rollout optimizer steps over one rollout's samples; returns averaged metrics."""
+        """num_steps_per_rollout optimizer steps over one rollout's samples; returns averaged metrics.
+
+        Filters can leave fewer samples than the global batch: the micro-batches are then shared out over
+        as many optimizer steps as there are micro-batches (at most num_steps_per_rollout). With no sample
+        left, nothing is trained and the weight version stays.
+        """
         t = self.training
+        if not samples:
+            return {"skipped": 1.0}
         order = list(range(len(samples)))
         random.Random(t.seed * 1_000_003 + step).shuffle(order)
         samples = [samples[i] for i in order]
@@ -122,10 +129,11 @@ class PolicyTrainer:
         if t.num_steps_per_rollout > 1:
             with torch.no_grad():
                 old_logps = [self._logprobs(self.model, mb.input_ids)[0] for mb in batches]
-        per_step = t.global_batch_size // mbs
+        n_steps = min(t.num_steps_per_rollout, len(batches))
+        per_step = -(-len(batches) // n_steps)  # ceil: a full run has global_batch_size // mbs per step
         metrics: dict[str, list[float]] = {}
-        for opt_step in range(t.num_steps_per_rollout):
-            chunk = range(opt_step * per_step, (opt_step + 1) * per_step)
+        for opt_step in range(n_steps):
+            chunk = range(opt_step * per_step, min((opt_step + 1) * per_step, len(batches)))
             old = [old_logps[i] for i in chunk] if old_logps else None
             step_metrics = self._optimizer_step([batches[i] for i in chunk], old)
             for k, v in step_metrics.items():
