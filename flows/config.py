@@ -96,7 +96,15 @@ class RolloutConfig(_Group):
 
 
 class RewardConfig(_Group):
-    rm_type: str = Field("math", description="Built-in scorer: 'math' (final answer, \\boxed{} aware) or 'exact'.")
+    rm_type: str = Field(
+        "math",
+        description="Built-in scorer: math, exact, regex, f1, choice, format, math+format, code (sandboxed "
+        "execution against the label's tests), env (the verifier of the environment that made the prompt), remote.",
+    )
+    rm_url: str | None = Field(None, description="--rm-type remote: the reward-model server's URL.")
+    rm_api_key_env: str | None = Field(
+        None, description="--rm-type remote: name of the environment variable holding its API key (never logged)."
+    )
     custom_rm_path: str | None = Field(
         None, description="'module.path:function' or 'file.py:function' scoring one sample (overrides rm_type)."
     )
@@ -213,6 +221,8 @@ class RunConfig(_Group):
                 f"over_sampling_batch_size ({r.over_sampling_batch_size}) must be >= rollout_batch_size"
                 f" ({r.rollout_batch_size})"
             )
+        if self.reward.rm_type == "remote" and not self.reward.rm_url:
+            raise ValueError("rm_type remote needs rm_url (--rm-url http://host:port/score)")
         if r.partial_rollout and r.custom_generate_function_path:
             raise ValueError("partial_rollout cannot continue custom (multi-turn) generations: use one or the other")
         if r.rollout_num_engines == 0 and not r.rollout_external_engine_addrs:

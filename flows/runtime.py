@@ -26,7 +26,7 @@ from sluiceway.storage.object_store import ObjectStore
 from sluiceway.tasks.environments import generate_env
 from sluiceway.tasks.filter.filters import scoring_filter, user_filter
 from sluiceway.tasks.reward.score import RewardSettings
-from sluiceway.tasks.reward.scorers import get_scorer
+from sluiceway.tasks.reward.scorers import get_scorer, remote_group_scorer
 from sluiceway.tasks.rollout.multiturn import load_custom_generate
 from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings
 from sluiceway.tasks.sync.disk import write_weight_version
@@ -113,9 +113,13 @@ def prepare(cfg: RunConfig) -> Prepared:
     rw = cfg.reward
     if rw.group_rm and not rw.custom_rm_path:
         raise UserError("--group-rm needs --custom-rm-path (a function scoring a whole group)")
-    reward_settings = RewardSettings(
-        get_scorer(rw.rm_type, rw.custom_rm_path), rw.reward_timeout_s, rw.group_rm, rw.reward_key
-    )
+    if rw.rm_type == "remote" and not rw.custom_rm_path:
+        scorer, group_rm = remote_group_scorer(rw.rm_url, rw.rm_api_key_env, rw.reward_timeout_s), True
+    else:
+        scorer, group_rm = get_scorer(rw.rm_type, rw.custom_rm_path), rw.group_rm
+    # The remote model retries within its own deadline; the stage's limit covers a whole group's batch.
+    timeout = rw.reward_timeout_s * 4 if rw.rm_type == "remote" else rw.reward_timeout_s
+    reward_settings = RewardSettings(scorer, timeout, group_rm, rw.reward_key)
     rollout_filter = None
     if cfg.rollout.dynamic_sampling_filter_path:
         rollout_filter = scoring_filter(reward_settings, [user_filter(cfg.rollout.dynamic_sampling_filter_path)])
