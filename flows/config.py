@@ -41,6 +41,15 @@ class DataConfig(_Group):
     apply_chat_template: bool = Field(False, description="Wrap prompts with the tokenizer's chat template.")
     system_prompt: str | None = Field(None, description="System message prepended when applying the chat template.")
     env_size: int = Field(512, ge=1, description="Number of prompts generated for an 'env:NAME' dataset.")
+    adaptive_difficulty: bool = Field(
+        False,
+        description="With an env: prompt source, generate each step's prompts at levels that rise when "
+        "recent accuracy passes difficulty_raise_above and fall below difficulty_lower_below.",
+    )
+    difficulty_raise_above: float = Field(0.8, gt=0.0, le=1.0, description="Accuracy that raises a level.")
+    difficulty_lower_below: float = Field(0.2, ge=0.0, lt=1.0, description="Accuracy that lowers a level.")
+    difficulty_window: int = Field(64, ge=1, description="Recent samples per environment that accuracy covers.")
+    difficulty_min_samples: int = Field(32, ge=1, description="Samples at a level before it may change.")
 
 
 class RolloutConfig(_Group):
@@ -173,8 +182,14 @@ class SyncConfig(_Group):
 
 class EvalConfig(_Group):
     eval_interval: int | None = Field(None, ge=1, description="Evaluate every N rollout steps.")
-    eval_prompt_data: str | None = Field(None, description="Prompt file or 'env:NAME' for evaluation.")
-    n_samples_per_eval_prompt: int = Field(1, ge=1, description="Samples per evaluation prompt.")
+    eval_prompt_data: list[str] | None = Field(
+        None,
+        description="Evaluation sets as NAME SOURCE pairs (repeatable: --eval-prompt-data gsm data/gsm.jsonl "
+        "arith env:arithmetic:3); a lone SOURCE is named 'eval'. SOURCE is a prompt file or env:NAME.",
+    )
+    n_samples_per_eval_prompt: int = Field(
+        1, ge=1, description="Samples per evaluation prompt; pass@k is reported for k = 1, 2, 4, ... up to it."
+    )
     eval_size: int = Field(32, ge=1, description="Prompts evaluated (taken from the head of the eval data).")
 
 
@@ -195,6 +210,14 @@ class RunConfig(_Group):
     sync: SyncConfig = Field(default_factory=SyncConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @property
+    def eval_sets(self) -> list[tuple[str, str]]:
+        """(name, source) pairs of eval_prompt_data."""
+        items = self.eval.eval_prompt_data or []
+        if len(items) == 1:
+            return [("eval", items[0])]
+        return list(zip(items[0::2], items[1::2]))
 
     @model_validator(mode="after")
     def _check_invariants(self) -> RunConfig:
@@ -233,6 +256,13 @@ class RunConfig(_Group):
             raise ValueError("tensor/pipeline parallel sizes > 1 need the multi-rank trainer, not available yet")
         if self.data.prompt_data is None:
             raise ValueError("data.prompt_data is required (--prompt-data FILE or env:NAME)")
+        if self.data.adaptive_difficulty and not self.data.prompt_data.startswith("env:"):
+            raise ValueError("adaptive_difficulty needs an environment as prompt_data (env:NAME or env:mix(...))")
+        ev = self.eval.eval_prompt_data or []
+        if len(ev) > 1 and len(ev) % 2:
+            raise ValueError("eval_prompt_data takes NAME SOURCE pairs (or one SOURCE)")
+        if len(ev) > 1 and len({n for n, _ in self.eval_sets}) != len(self.eval_sets):
+            raise ValueError("eval_prompt_data: each evaluation set needs its own NAME")
         if self.eval.eval_interval and not self.eval.eval_prompt_data:
             raise ValueError("eval_interval is set but eval_prompt_data is not (--eval-prompt-data FILE or env:NAME)")
         return self

@@ -35,8 +35,12 @@ def rollout_task(run_id: str, step: int) -> dict:
     rt = runtime.get(run_id)
     rt.engines.prune_dead()
     s = rt.settings
-    idx = prompt_indices_for_step(len(rt.prompts), step, s.groups_submitted, rt.cfg.training.seed)
-    work = plan_step(rt.store, run_id, step, [rt.prompts[i] for i in idx], s, rt.prompts)
+    if rt.prep.adaptive is not None:
+        new = runtime.adaptive_step_prompts(rt.cfg, rt.prep, step, s.groups_submitted)
+    else:
+        idx = prompt_indices_for_step(len(rt.prompts), step, s.groups_submitted, rt.cfg.training.seed)
+        new = [rt.prompts[i] for i in idx]
+    work = plan_step(rt.store, run_id, step, new, s, rt.prompts)
     res = rt.engines.run(
         run_rollout(
             group_filter=rt.prep.rollout_filter,
@@ -55,7 +59,11 @@ def rollout_task(run_id: str, step: int) -> dict:
 @task(name="reward", cache_policy=NO_CACHE, persist_result=False)
 def reward_task(run_id: str, step: int) -> dict:
     rt = runtime.get(run_id)
-    return dataclasses.asdict(score_step(store=rt.store, run_id=run_id, step=step, settings=rt.rewards))
+    out = dataclasses.asdict(score_step(store=rt.store, run_id=run_id, step=step, settings=rt.rewards))
+    if rt.prep.adaptive is not None:  # the curriculum learns from this step's rewards, once
+        rows = read_trajectories(rt.store, run_id, step).to_pylist()
+        out["levels"] = rt.prep.adaptive.observe_step(step, rows)
+    return out
 
 
 @task(name="filter", cache_policy=NO_CACHE, persist_result=False)
@@ -98,20 +106,23 @@ def eval_task(run_id: str, trained_steps: int) -> dict:
     """Evaluate the weights after `trained_steps` steps; stored under that step with tag 'eval'."""
     rt = runtime.get(run_id)
     c = rt.cfg
-    m = rt.engines.run(
-        evaluate(
-            client=rt.engines.client,
-            prompts=rt.prep.eval_prompts,
-            settings=rt.settings,
-            reward_settings=rt.rewards,
-            n_samples=c.eval.n_samples_per_eval_prompt,
-            tag=f"{run_id}/{trained_steps}",
-            decode=rt.decode,
+    m: dict[str, float] = {}
+    for name, prompts in rt.prep.eval_prompts.items():
+        m |= rt.engines.run(
+            evaluate(
+                client=rt.engines.client,
+                prompts=prompts,
+                settings=rt.settings,
+                reward_settings=rt.rewards,
+                n_samples=c.eval.n_samples_per_eval_prompt,
+                tag=f"{run_id}/{trained_steps}/{name}",
+                decode=rt.decode,
+                name=name,
+            )
         )
-    )
     append_metrics(rt.store, run_id, trained_steps, m, tag="eval")
     if not c.logging.quiet:
-        scores = "  ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in m.items() if k != "eval/prompts")
+        scores = "  ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in m.items() if not k.endswith("/prompts"))
         print(f"eval after {trained_steps:>3} steps  {scores}", flush=True)
     return m
 
@@ -152,6 +163,7 @@ def rl_flow(config: dict) -> dict:
                     "rollout/groups_skipped": float(roll["groups_skipped"]),
                     "rollout/groups_aborted": float(roll["groups_aborted"]),
                     "reward/errors": float(rew["errors"]),
+                    **rew.get("levels", {}),
                 }
             )
             append_metrics(rt.store, cfg.run_id, step, m, tag="train")

@@ -24,6 +24,7 @@ from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.storage.datasets import import_prompts, import_records, load_prompts
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.tasks.environments import generate_env
+from sluiceway.tasks.environments.adaptive_source import AdaptivePromptSource
 from sluiceway.tasks.filter.filters import scoring_filter, user_filter
 from sluiceway.tasks.reward.score import RewardSettings
 from sluiceway.tasks.reward.scorers import get_scorer, remote_group_scorer
@@ -59,6 +60,17 @@ def load_dataset(cfg: RunConfig, store: ObjectStore, prompt_data: str, size: int
             prompt_data, store, name, input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key
         )
     return load_prompts(store, name)
+
+
+def adaptive_step_prompts(cfg: RunConfig, prep: Prepared, step: int, n: int) -> list[PromptItem]:
+    """This step's prompts at the curriculum's levels, stored as a dataset table like any other data."""
+    records = prep.adaptive.records_for_step(step, n)
+    name = f"datasets/adaptive-{cfg.run_id}"
+    import_records(
+        records, prep.store, name, source=f"step{step}", input_key="input", label_key="label", metadata_key="metadata"
+    )
+    rows = [r for r in load_prompts(prep.store, name) if r["prompt_id"].startswith(f"step{step}:")]
+    return render_items(cfg, prep.tokenizer, rows)
 
 
 def render_items(cfg: RunConfig, tokenizer, rows: list[dict]) -> list[PromptItem]:
@@ -98,8 +110,9 @@ class Prepared:
     prompts: list[PromptItem]
     rewards: RewardSettings
     settings: RolloutSettings
-    eval_prompts: list[PromptItem]
+    eval_prompts: dict[str, list[PromptItem]]  # evaluation set name -> prompts
     rollout_filter: Callable | None  # dynamic sampling: scores a finished group and may drop it
+    adaptive: AdaptivePromptSource | None  # prompts generated per step at adaptive difficulty
 
 
 def prepare(cfg: RunConfig) -> Prepared:
@@ -126,15 +139,16 @@ def prepare(cfg: RunConfig) -> Prepared:
     rows = load_dataset(cfg, store, cfg.data.prompt_data, cfg.data.env_size, cfg.training.seed)
     if len(rows) == 0:
         raise UserError(f"--prompt-data {cfg.data.prompt_data}: no prompts")
-    eval_rows = []
+    eval_rows: dict[str, list[dict]] = {}
     if cfg.eval.eval_interval:
         # A generated eval set uses another seed than the training set, so it holds other problems.
         e = cfg.eval
-        eval_rows = load_dataset(cfg, store, e.eval_prompt_data, e.eval_size, cfg.training.seed + 1)[: e.eval_size]
+        for name, source in cfg.eval_sets:
+            eval_rows[name] = load_dataset(cfg, store, source, e.eval_size, cfg.training.seed + 1)[: e.eval_size]
     hf_dir = resolve_checkpoint(cfg.training.hf_checkpoint)
     tokenizer = load_tokenizer(hf_dir)
     prompts = render_items(cfg, tokenizer, rows)
-    eval_prompts = render_items(cfg, tokenizer, eval_rows)
+    eval_prompts = {name: render_items(cfg, tokenizer, rows) for name, rows in eval_rows.items()}
     r = cfg.rollout
     settings = RolloutSettings(
         n_samples=r.n_samples_per_prompt, max_new_tokens=r.rollout_max_response_len,
@@ -145,7 +159,23 @@ def prepare(cfg: RunConfig) -> Prepared:
         custom_generate=load_custom_generate(r.custom_generate_function_path) if r.custom_generate_function_path
         else None, tokenizer=tokenizer,
     )  # fmt: skip
-    return Prepared(store, hf_dir, tokenizer, prompts, reward_settings, settings, eval_prompts, rollout_filter)
+    adaptive = None
+    if cfg.data.adaptive_difficulty:
+        d = cfg.data
+        run_dir = Path(cfg.storage.output_dir).resolve()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        adaptive = AdaptivePromptSource(
+            d.prompt_data,
+            run_dir / "curriculum.json",
+            cfg.training.seed,
+            raise_above=d.difficulty_raise_above,
+            lower_below=d.difficulty_lower_below,
+            window=d.difficulty_window,
+            min_samples=d.difficulty_min_samples,
+        )
+    return Prepared(
+        store, hf_dir, tokenizer, prompts, reward_settings, settings, eval_prompts, rollout_filter, adaptive
+    )
 
 
 @dataclass

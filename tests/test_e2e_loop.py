@@ -1,5 +1,6 @@
 """The whole loop on tiny-llama through the real CLI and Prefect: Delta rows, rewards, versions, learning."""
 
+import json
 import os
 import subprocess
 import sys
@@ -76,6 +77,7 @@ def finished_run(tmp_path_factory):
         "--eval-interval",
         "2",
         "--eval-prompt-data",
+        "arith",
         "env:arithmetic",
         "--eval-size",
         "4",
@@ -124,9 +126,9 @@ def test_evaluation_before_and_after_training(finished_run):
     run_dir, _, proc = finished_run
     assert "eval after   0 steps" in proc.stdout and "eval after   2 steps" in proc.stdout
     m = read_metrics(ObjectStore.from_uri(str(run_dir / "tables")), "run").to_pylist()
-    evals = {r["step"]: r["value"] for r in m if r["name"] == "eval/pass@2"}
+    evals = {r["step"]: r["value"] for r in m if r["name"] == "eval/arith/pass@2"}
     assert set(evals) == {0, 2} and all(0.0 <= v <= 1.0 for v in evals.values())
-    assert {r["value"] for r in m if r["name"] == "eval/prompts"} == {4.0}
+    assert {r["value"] for r in m if r["name"] == "eval/arith/prompts"} == {4.0}
 
 
 def test_policy_weights_changed(finished_run):
@@ -169,3 +171,24 @@ def test_tables_on_s3(tmp_path, s3_server):
     # Prefect's record of the flow run holds the config, never the credentials.
     db = (tmp_path / "run" / "prefect" / "prefect.db").read_bytes()
     assert s3_server.secret_key.encode() not in db and s3_server.access_key.encode() not in db
+
+
+def test_adaptive_difficulty_over_an_environment_mixture(tmp_path):
+    """Prompts made per step by the curriculum, scored by each environment's own verifier (--rm-type env)."""
+    run_dir = tmp_path / "run"
+    args = [
+        sys.executable, "-m", "sluiceway.flows.cli", "run", "--prompt-data", "env:mix(arithmetic=1,reverse=1)",
+        "--adaptive-difficulty", "--rm-type", "env", "--hf-checkpoint", "tiny-llama", "--output-dir", str(run_dir),
+        "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8",
+        "--micro-batch-size", "8", "--rollout-max-response-len", "6", "--num-rollout", "2",
+    ]  # fmt: skip
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, SLUICEWAY_CACHE=str(tmp_path / "cache")))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = read_trajectories(ObjectStore.from_uri(str(run_dir / "tables")), "run").to_pylist()
+    metas = [json.loads(r["metadata"]) for r in rows]
+    assert {m["env"] for m in metas} == {"arithmetic", "reverse"} and all(m["level"] == 1 for m in metas)
+    assert all(r["reward"] is not None for r in rows)  # each routed to its environment's verifier
+    assert json.loads((run_dir / "curriculum.json").read_text())["last_observed_step"] == 1
+    m = read_metrics(ObjectStore.from_uri(str(run_dir / "tables")), "run").to_pylist()
+    assert {r["step"] for r in m if r["name"] == "difficulty/reverse"} == {0, 1}

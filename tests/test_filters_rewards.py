@@ -183,5 +183,31 @@ def test_eval_numbers_repeat_with_the_same_seed(tmp_path):
 
         a, b, c = asyncio.run(run(7, "a")), asyncio.run(run(7, "b")), asyncio.run(run(8, "c"))
     assert a == b  # same seed, same weights: the same numbers, to the last bit
-    assert a["eval/reward_mean"] != c["eval/reward_mean"]
+    assert a["eval/eval/reward_mean"] != c["eval/eval/reward_mean"]
+    assert set(a) == {"eval/eval/reward_mean", "eval/eval/pass@1", "eval/eval/pass@2", "eval/eval/prompts"}
     assert json.dumps(a)  # plain floats, storable as metrics
+
+
+def test_pass_at_k_is_the_unbiased_estimate():
+    from sluiceway.tasks.evaluate.evaluate import pass_at_k
+
+    assert pass_at_k(4, 1, 1) == 0.25 and pass_at_k(4, 1, 2) == 0.5  # 1 - C(3,2)/C(4,2)
+    assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 2, 3) == 1.0
+
+
+def test_adaptive_source_levels_rise_persist_and_replay(tmp_path):
+    from sluiceway.tasks.environments.adaptive_source import AdaptivePromptSource
+
+    state = tmp_path / "curriculum.json"
+    kw = dict(window=8, min_samples=8, raise_above=0.8, lower_below=0.2)
+    src = AdaptivePromptSource("env:mix(arithmetic=1,reverse=1)", state, seed=5, **kw)
+    step0 = src.records_for_step(0, 8)
+    assert {r["metadata"]["level"] for r in step0} == {1}
+    rows = [{"reward": 1.0, "status": "completed", "metadata": json.dumps(r["metadata"])} for r in step0 * 2]
+    levels = src.observe_step(0, rows)
+    assert levels == {"difficulty/arithmetic": 2.0, "difficulty/reverse": 2.0}
+    assert src.observe_step(0, rows) == levels  # the same step observed twice counts once
+    # A restarted run reloads the levels and generates the same prompts for the next step.
+    again = AdaptivePromptSource("env:mix(arithmetic=1,reverse=1)", state, seed=5, **kw)
+    assert again.records_for_step(1, 8) == src.records_for_step(1, 8)
+    assert {r["metadata"]["level"] for r in again.records_for_step(1, 8)} == {2}

@@ -73,7 +73,7 @@ def start_stack(tmp, model_dir, n_engines):
         tmp / "logs",
         router=router,
         env=env,
-        engine_args=("--max-running-requests", "16", "--max-total-len", "128"),
+        engine_args=("--max-running-requests", "16", "--max-total-len", "160"),
     ).start()
     return router, pool
 
@@ -196,11 +196,13 @@ def test_partial_rollouts_continue_in_the_next_step(tmp_path, model_dir):
     store = ObjectStore.from_uri(str(tmp_path / "tables"))
     router, pool = start_stack(tmp_path, model_dir, 1)
     prompts = make_prompts(tok, 16)
-    # Long responses, no stop token: the first groups to finish end the step while the rest are mid-way.
+    # No stop token, and the engine holds 16 of the 32 requests: groups 0-3 run first and finish together,
+    # which ends the step; groups 4-7 start only then and need 110 decode steps, far longer than the abort
+    # takes to arrive, so they are cut mid-way.
     s = settings(
         groups_needed=2,
         groups_submitted=8,
-        max_new_tokens=48,
+        max_new_tokens=110,
         stop_token_ids=[],
         max_concurrency=32,
         partial_rollout=True,
@@ -211,7 +213,7 @@ def test_partial_rollouts_continue_in_the_next_step(tmp_path, model_dir):
         rows0 = read_trajectories(store, "r", 0).to_pylist()
         aborted = [r for r in rows0 if r["status"] == "aborted"]
         assert step0.groups_completed == 2 and step0.groups_aborted >= 1
-        assert any(0 < len(r["response_token_ids"]) < 48 for r in aborted)  # partial tokens were kept
+        assert any(0 < len(r["response_token_ids"]) < 110 for r in aborted)  # partial tokens were kept
 
         # New weights (same tensors, new version) reach the engine before step 1.
         from sluiceway.models.zoo import load_hf_state_dict

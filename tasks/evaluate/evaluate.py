@@ -1,13 +1,15 @@
 """Evaluation without Prefect: sample held-out prompts through the engines and score them.
 
-A sample passes when it earns full reward (>= 1.0); pass@n is the share of prompts with at least one
-passing sample among n. Seeds are fixed per (prompt, sample), so the same weights give the same numbers.
+A sample passes when it earns full reward (>= 1.0). pass@k, for k = 1, 2, 4, ... up to the n samples per
+prompt, is the unbiased estimate 1 - C(n-c, k) / C(n, k) averaged over prompts (c = passing samples; Chen et
+al. 2021). Seeds are fixed per (prompt, sample), so the same weights give the same numbers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 from sluiceway.tasks.reward.score import RewardSettings, score_rows
 from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings, sample_seed
@@ -24,6 +26,7 @@ async def evaluate(
     n_samples: int,
     tag: str,
     decode,
+    name: str = "eval",
 ) -> dict[str, float]:
     s = settings
     sem = asyncio.Semaphore(s.max_concurrency)
@@ -55,9 +58,16 @@ async def evaluate(
     # A scorer failure counts as a miss (reward 0), as in training.
     scored = await asyncio.to_thread(score_rows, list(rows), reward_settings)
     rewards = [reward for reward, _ in scored]
-    passed = [any(r >= 1.0 for r in rewards[g * n_samples : (g + 1) * n_samples]) for g in range(len(prompts))]
-    return {
-        "eval/reward_mean": sum(rewards) / max(len(rewards), 1),
-        f"eval/pass@{n_samples}": sum(passed) / max(len(passed), 1),
-        "eval/prompts": float(len(prompts)),
-    }
+    passes = [sum(r >= 1.0 for r in rewards[g * n_samples : (g + 1) * n_samples]) for g in range(len(prompts))]
+    out = {f"eval/{name}/reward_mean": sum(rewards) / max(len(rewards), 1)}
+    k = 1
+    while k <= n_samples:
+        out[f"eval/{name}/pass@{k}"] = sum(pass_at_k(n_samples, c, k) for c in passes) / max(len(passes), 1)
+        k *= 2
+    out[f"eval/{name}/prompts"] = float(len(prompts))
+    return out
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k samples drawn without replacement from n (c correct) is correct."""
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
