@@ -50,9 +50,7 @@ def lengths(n: int, lo: int, hi: int, seed: int = 0) -> list[int]:
     return [rng.randint(lo, hi) for _ in range(n - 1)] + [hi]  # the longest one is always there
 
 
-def bench_engine(
-    path: Path, dtype: torch.dtype, ps: list[list[int]], ls: list[int], batch: int
-) -> tuple[float, dict]:
+def bench_engine(path: Path, dtype: torch.dtype, ps: list[list[int]], ls: list[int], batch: int) -> tuple[float, dict]:
     engine = Engine(path, max_running_requests=batch, max_total_len=max(map(len, ps)) + max(ls) + 1, dtype=dtype)
     try:
         engine.generate([GenerateRequest(ps[0], SamplingParams(max_new_tokens=4))])  # warm-up

@@ -182,8 +182,9 @@ def test_adaptive_difficulty_over_an_environment_mixture(tmp_path):
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8",
         "--micro-batch-size", "8", "--rollout-max-response-len", "6", "--num-rollout", "2",
     ]  # fmt: skip
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, SLUICEWAY_CACHE=str(tmp_path / "cache")))
+    proc = subprocess.run(
+        args, capture_output=True, text=True, timeout=600, env=dict(os.environ, SLUICEWAY_CACHE=str(tmp_path / "cache"))
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = read_trajectories(ObjectStore.from_uri(str(run_dir / "tables")), "run").to_pylist()
     metas = [json.loads(r["metadata"]) for r in rows]
