@@ -211,3 +211,16 @@ def test_adaptive_source_levels_rise_persist_and_replay(tmp_path):
     again = AdaptivePromptSource("env:mix(arithmetic=1,reverse=1)", state, seed=5, **kw)
     assert again.records_for_step(1, 8) == src.records_for_step(1, 8)
     assert {r["metadata"]["level"] for r in again.records_for_step(1, 8)} == {2}
+
+
+def test_async_scorers_per_sample_and_per_group():
+    async def judge(response, label, sample):
+        await asyncio.sleep(0)
+        return float(response == label)
+
+    async def judge_group(responses, labels, samples):
+        return [float(r == lab) for r, lab in zip(responses, labels)]
+
+    rows = [{"group_id": 0, "sample_index": i, "response_text": t, "label": "7"} for i, t in enumerate(["7", "8"])]
+    assert [r for r, _ in score_rows(rows, RewardSettings(judge))] == [1.0, 0.0]
+    assert [r for r, _ in score_rows(rows, RewardSettings(judge_group, group_rm=True))] == [1.0, 0.0]

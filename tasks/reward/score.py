@@ -6,12 +6,15 @@ message in `reward_details`; the step goes on.
 
 Scorers (see scorers.py) take one sample: (response, label, sample) -> float | (float, details) | dict.
 With --group-rm the user's function takes a whole group: (responses, labels, samples) -> list of the same.
+Either kind may be an async function.
 With --reward-key a dict result's value under that key is the reward and the rest goes to the details.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
+import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +47,12 @@ def as_reward(out, reward_key: str | None) -> tuple[float, dict]:
     return float(out), {}
 
 
+def _call(fn: Callable, *args):
+    """Run a scorer in this worker thread; an async scorer gets its own event loop here."""
+    out = fn(*args)
+    return asyncio.run(out) if inspect.isawaitable(out) else out
+
+
 def _failed(status: str, message: str) -> tuple[float, dict]:
     return 0.0, {"reward_status": status, "message": message[:2000]}
 
@@ -57,7 +66,9 @@ def score_rows(rows: list[dict], s: RewardSettings) -> list[tuple[float, dict]]:
         out: list[tuple[float, dict]] = [(0.0, {})] * len(rows)
         for idx in groups.values():
             members = [rows[i] for i in idx]
-            fut = _POOL.submit(s.scorer, [m["response_text"] for m in members], [m["label"] for m in members], members)
+            fut = _POOL.submit(
+                _call, s.scorer, [m["response_text"] for m in members], [m["label"] for m in members], members
+            )
             try:
                 results = fut.result(timeout=s.timeout_s)
                 if len(results) != len(idx):
@@ -70,7 +81,7 @@ def score_rows(rows: list[dict], s: RewardSettings) -> list[tuple[float, dict]]:
             for i, x in zip(idx, scored):
                 out[i] = x
         return out
-    futures = [_POOL.submit(s.scorer, r["response_text"], r["label"], r) for r in rows]
+    futures = [_POOL.submit(_call, s.scorer, r["response_text"], r["label"], r) for r in rows]
     out = []
     for fut in futures:
         try:
