@@ -1,6 +1,6 @@
 """The RL loop as a Prefect flow: each stage of each step is a durable Prefect task.
 
-    rollout -> reward -> train -> sync -> metrics     (per step)
+    rollout -> reward -> filter -> train -> sync -> metrics (-> evaluate every eval_interval steps)
 
 Stage logic lives in `sluiceway.tasks.*` as plain functions; the tasks here only fetch the live runtime and
 return small summaries (counts, versions) that Prefect records. Stages are tasks rather than subflows
