@@ -149,6 +149,12 @@ class TrainingConfig(_Group):
     micro_batch_size: int = Field(16, ge=1, description="Samples per forward/backward pass.")
     num_steps_per_rollout: int = Field(1, ge=1, description="Optimizer steps per rollout step.")
     lr: float = Field(1e-6, gt=0.0, description="Learning rate (AdamW).")
+    lr_warmup_iters: int = Field(0, ge=0, description="Optimizer steps of linear warmup from 0 to lr.")
+    lr_decay_style: Literal["constant", "linear", "cosine"] = Field("constant", description="LR after warmup.")
+    lr_decay_iters: int | None = Field(
+        None, ge=1, description="Optimizer steps over which lr decays to min_lr (default: the whole run)."
+    )
+    min_lr: float = Field(0.0, ge=0.0, description="Floor of the decayed learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
     adam_beta2: float = Field(0.98, ge=0.0, lt=1.0)

@@ -205,7 +205,13 @@ class Runtime:
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         device = torch.device(cfg.resources.device)
         trainer = PolicyTrainer(
-            prep.hf_dir, cfg.training, cfg.algorithm, cfg.rollout.rollout_temperature, pad, device=device
+            prep.hf_dir,
+            cfg.training,
+            cfg.algorithm,
+            cfg.rollout.rollout_temperature,
+            pad,
+            device=device,
+            total_iters=cfg.rollout.num_rollout * cfg.training.num_steps_per_rollout,
         )
         engines = RolloutEngines(cfg, prep.hf_dir, run_dir)
         return cls(cfg, run_dir, prep, engines, trainer)

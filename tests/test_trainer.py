@@ -91,3 +91,56 @@ def test_checkpoint_restores_weights_optimizer_and_version(tiny, tmp_path):
     mb = b.train_rollout(samples(tok, [1.0, 1.0, -1.0, -1.0]), step=1)
     assert ma["loss"] == pytest.approx(mb["loss"], abs=1e-6)
     assert all(torch.equal(x, y) for x, y in zip(a.master, b.master))
+
+
+def scheduled_trainer(path, tok, bf16=False):
+    training = TrainingConfig(
+        global_batch_size=4,
+        micro_batch_size=2,
+        lr=1e-2,
+        bf16=bf16,
+        hf_checkpoint=str(path),
+        lr_warmup_iters=2,
+        lr_decay_style="cosine",
+        min_lr=1e-3,
+    )
+    return PolicyTrainer(
+        path, training, AlgorithmConfig(), temperature=1.0, pad_token_id=tok.pad_token_id, total_iters=6
+    )
+
+
+def test_lr_warmup_then_cosine_decay_to_min_lr(tiny):
+    path, tok = tiny
+    trainer = scheduled_trainer(path, tok)
+    lrs = []
+    for step in range(6):
+        lrs.append(trainer.train_rollout(samples(tok, [1.0, -1.0, 1.0, -1.0]), step=step)["lr"])
+    assert lrs[0] == pytest.approx(5e-3) and lrs[1] == pytest.approx(1e-2)  # warmup: 1/2, 2/2 of lr
+    assert lrs[2] == pytest.approx(1e-2)  # decay starts from lr
+    assert lrs[2] > lrs[3] > lrs[4] > lrs[5] > 1e-3  # cosine decay towards min_lr
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_resume_is_bit_identical_to_an_uninterrupted_run(tiny, tmp_path, bf16):
+    """Kill after step 1 (checkpoint), resume in a fresh trainer: steps 2-3 land on the same bits."""
+    path, tok = tiny
+    batches = [
+        samples(tok, adv)
+        for adv in ([1.0, -1.0, 1.0, -1.0], [-1.0, 1.0, 0.5, -0.5], [0.2, -0.2, 1.0, -1.0], [1.0, 1.0, -1.0, -1.0])
+    ]
+    straight = scheduled_trainer(path, tok, bf16)
+    for step, b in enumerate(batches):
+        straight.train_rollout(b, step)
+
+    first = scheduled_trainer(path, tok, bf16)
+    for step, b in enumerate(batches[:2]):
+        first.train_rollout(b, step)
+    first.save(tmp_path / "ckpt.pt", step=1)
+    del first
+    resumed = scheduled_trainer(path, tok, bf16)
+    start = resumed.load(tmp_path / "ckpt.pt") + 1
+    for step, b in enumerate(batches[start:], start=start):
+        resumed.train_rollout(b, step)
+    assert resumed.weight_version == straight.weight_version == 4
+    assert all(torch.equal(a, b) for a, b in zip(straight.master, resumed.master))
+    assert all(torch.equal(a, b) for a, b in zip(straight.model.parameters(), resumed.model.parameters()))

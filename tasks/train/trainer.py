@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,10 +70,12 @@ class PolicyTrainer:
         temperature: float,
         pad_token_id: int,
         device: torch.device | str = "cpu",
+        total_iters: int | None = None,
     ):
         self.training, self.algorithm, self.temperature = training, algorithm, temperature
         self.pad_token_id = pad_token_id
         self.device = torch.device(device)
+        self.total_iters = total_iters  # optimizer steps in the whole run, for LR decay
         self.hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
         init_parallel_state()
         torch.manual_seed(training.seed)
@@ -101,7 +104,21 @@ class PolicyTrainer:
             weight_decay=training.weight_decay,
             betas=(training.adam_beta1, training.adam_beta2),
         )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.weight_version = 0
+
+    def _lr_factor(self, it: int) -> float:
+        """Multiplier of lr at optimizer step `it`: linear warmup, then constant, linear or cosine decay."""
+        t = self.training
+        if t.lr_warmup_iters and it < t.lr_warmup_iters:
+            return (it + 1) / t.lr_warmup_iters
+        if t.lr_decay_style == "constant":
+            return 1.0
+        total = (t.lr_decay_iters or self.total_iters or 1) - t.lr_warmup_iters
+        progress = min(max(it - t.lr_warmup_iters, 0) / max(total, 1), 1.0)
+        floor = t.min_lr / t.lr
+        shape = 1.0 - progress if t.lr_decay_style == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return floor + (1.0 - floor) * shape
 
     def _logprobs(self, model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return token_logprobs_and_entropy(model, ids, temperature=self.temperature)
@@ -116,6 +133,8 @@ class PolicyTrainer:
         t = self.training
         if not samples:
             return {"skipped": 1.0}
+        t0 = time.perf_counter()
+        adv = torch.tensor([s_.advantage for s_ in samples])
         order = list(range(len(samples)))
         random.Random(t.seed * 1_000_003 + step).shuffle(order)
         samples = [samples[i] for i in order]
@@ -139,7 +158,16 @@ class PolicyTrainer:
             for k, v in step_metrics.items():
                 metrics.setdefault(k, []).append(v)
         self.weight_version += 1
-        return {k: sum(v) / len(v) for k, v in metrics.items()}
+        out = {k: sum(v) / len(v) for k, v in metrics.items() if k != "logprob_mismatch_max"}
+        out["logprob_mismatch_max"] = max(metrics["logprob_mismatch_max"])
+        out["tokens_per_s"] = sum(metrics["tokens"]) / (time.perf_counter() - t0)
+        out |= {
+            "adv_mean": float(adv.mean()),
+            "adv_std": float(adv.std(unbiased=False)),
+            "adv_min": float(adv.min()),
+            "adv_max": float(adv.max()),
+        }
+        return out
 
     def _optimizer_step(self, batches: list[_MicroBatch], old_logps: list[torch.Tensor] | None) -> dict[str, float]:
         a = self.algorithm
@@ -147,7 +175,16 @@ class PolicyTrainer:
         n_tokens = float(sum(mb.mask.sum() for mb in batches))
         denom = n_tokens if a.loss_agg_mode == "token_mean" else float(sum(mb.mask.shape[0] for mb in batches))
         self.model.train()
-        sums = dict(loss=0.0, pg_loss=0.0, kl=0.0, entropy=0.0, clipfrac=0.0, ratio=0.0, logprob_mismatch=0.0)
+        sums = dict(
+            loss=0.0,
+            pg_loss=0.0,
+            kl=0.0,
+            entropy=0.0,
+            clipfrac=0.0,
+            ratio=0.0,
+            logprob_mismatch=0.0,
+            logprob_mismatch_max=0.0,
+        )
         for i, mb in enumerate(batches):
             logp, entropy = self._logprobs(self.model, mb.input_ids)
             old = old_logps[i] if old_logps is not None else logp.detach()
@@ -170,7 +207,10 @@ class PolicyTrainer:
             m = mb.mask
             sums["clipfrac"] += float((clipped * m).sum()) / max(n_tokens, 1.0)
             sums["ratio"] += float((torch.exp(logp.detach() - old) * m).sum()) / max(n_tokens, 1.0)
-            sums["logprob_mismatch"] += float(((logp.detach() - mb.rollout_logp).abs() * m).sum()) / max(n_tokens, 1.0)
+            gap = (logp.detach() - mb.rollout_logp).abs() * m  # training-inference mismatch per token
+            sums["logprob_mismatch"] += float(gap.sum()) / max(n_tokens, 1.0)
+            sums["logprob_mismatch_max"] = max(sums["logprob_mismatch_max"], float(gap.max()))
+        sums["lr"] = self.optimizer.param_groups[0]["lr"]
         grad_norm = self._step_master_weights()
         sums["grad_norm"] = float(grad_norm)
         sums["tokens"] = n_tokens
@@ -190,6 +230,7 @@ class PolicyTrainer:
         else:
             grad_norm = torch.linalg.vector_norm(torch.stack([m.grad.norm() for m in with_grad]))
         self.optimizer.step()
+        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.mixed_precision:
             with torch.no_grad():
@@ -207,13 +248,15 @@ class PolicyTrainer:
         return megatron_to_hf(self.master_state_dict(), self.hf_config, include_tied_lm_head=include_tied_lm_head)
 
     def save(self, path: str | Path, step: int) -> None:
-        """Local checkpoint: model, optimizer and version, written atomically."""
+        """Local checkpoint: model, optimizer, LR schedule, RNG states and version, written atomically."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         state = {
             "model": self.master_state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
             "weight_version": self.weight_version,
             "step": step,
         }
@@ -232,5 +275,8 @@ class PolicyTrainer:
             for n, m in zip(self.param_names, self.master):
                 m.copy_(state["model"][n])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
         self.weight_version = state["weight_version"]
         return state["step"]
