@@ -240,3 +240,39 @@ def test_tp2_matches_tp1(tmp_path, tied):
     back = megatron_to_hf([r["weights"] for r in ranks], hf.config)
     for key, tensor in hf.state_dict().items():
         assert torch.equal(back[key], tensor), key
+
+
+def test_qwen2_logprob_parity_and_round_trip():
+    """Qwen2 differs from Llama by q/k/v biases: they must land in linear_qkv's bias, group by group."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    hf = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))  # non-trivial biases and norms
+    gpt = build_gpt_model(hf.config).eval()
+    load_hf_weights(gpt, hf)
+    ids, mask = padded_batch()
+    valid = mask[:, 1:].bool()
+    ref_logp, _ = hf_logprobs_entropy(hf, ids, mask, 1.0)
+    with torch.no_grad():
+        logp = token_logprobs(gpt, ids)
+    assert (logp - ref_logp)[valid].abs().max().item() <= 1e-5
+    back = megatron_to_hf(megatron_state_dict(gpt), hf.config)
+    assert set(back) == set(hf.state_dict())
+    assert all(torch.equal(back[k], v) for k, v in hf.state_dict().items())
