@@ -71,6 +71,10 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument("config_file", nargs="?", help="YAML run config (flags override it)")
         _add_field_arguments(p)
     sub.add_parser("models", help="list the model zoo")
+    rep = sub.add_parser("report", help="a run's per-step metrics as a markdown table")
+    rep.add_argument("output_dir", help="the run's --output-dir")
+    rep.add_argument("--run-id", default=None, help="default: the output directory's name")
+    rep.add_argument("--storage-uri", default=None, help="where the run's tables are, if not OUTPUT_DIR/tables")
     eng = sub.add_parser("engine", help="serve the embedded rollout engine (SGLang's native HTTP API)")
     eng.add_argument("--model", required=True, help="zoo name or HF model directory")
     eng.add_argument("--host", default="127.0.0.1")
@@ -118,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
                 weight_version=args.weight_version,
                 seed=args.seed,
             )
+            return 0
+        if args.command == "report":
+            from sluiceway.flows.report import render
+
+            print(render(args.output_dir, args.run_id, args.storage_uri), end="")
             return 0
         cfg = resolve_config(args)
         if args.command == "config":
