@@ -127,20 +127,33 @@ class RewardConfig(_Group):
 
 
 class AlgorithmConfig(_Group):
-    advantage_estimator: Literal["grpo", "dr_grpo", "reinforce_plus_plus_baseline"] = Field(
+    advantage_estimator: Literal["grpo", "dr_grpo", "gspo", "reinforce_plus_plus_baseline"] = Field(
         "grpo", description="How rewards become per-token advantages."
     )
     normalize_advantages_by_std: bool = Field(True, description="GRPO: divide by the group's reward std.")
     eps_clip: float = Field(0.2, gt=0.0, description="PPO clip range (lower).")
     eps_clip_high: float | None = Field(None, gt=0.0, description="PPO clip range (upper); default eps_clip.")
+    eps_clip_c: float | None = Field(
+        None,
+        gt=1.0,
+        description="Dual clip (Ye et al. 2020): bound the loss of negative-advantage tokens at -A x eps_clip_c.",
+    )
+    use_tis: bool = Field(
+        False,
+        description="Truncated importance sampling: weight each token by exp(old - rollout log-prob), "
+        "clipped, to correct the training-inference mismatch.",
+    )
+    tis_clip: float = Field(2.0, gt=0.0, description="Upper clip of the TIS weight.")
+    tis_clip_low: float | None = Field(None, ge=0.0, description="Lower clip of the TIS weight (default none).")
     use_kl_loss: bool = Field(False, description="Add a KL(policy || reference) loss term.")
     kl_loss_coef: float = Field(0.0, ge=0.0, description="Weight of the KL loss term.")
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = Field("low_var_kl", description="KL estimator.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Weight of the entropy bonus.")
-    loss_agg_mode: Literal["token_mean", "seq_mean_token_mean"] = Field(
+    loss_agg_mode: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field(
         "token_mean",
         description="token_mean: every trained token weighs the same (DAPO); seq_mean_token_mean: "
-        "every sequence weighs the same (the GRPO paper).",
+        "every sequence weighs the same (the GRPO paper); seq_mean_token_sum_norm: token sums over the constant "
+        "rollout_max_response_len (Dr. GRPO).",
     )
 
 
@@ -241,7 +254,7 @@ class RunConfig(_Group):
                 f"global_batch_size ({t.global_batch_size}) must be a multiple of micro_batch_size"
                 f" ({t.micro_batch_size})"
             )
-        if self.algorithm.advantage_estimator in ("grpo", "dr_grpo") and r.n_samples_per_prompt < 2:
+        if self.algorithm.advantage_estimator in ("grpo", "dr_grpo", "gspo") and r.n_samples_per_prompt < 2:
             raise ValueError("GRPO needs n_samples_per_prompt >= 2 (advantages are relative to the group)")
         if self.algorithm.use_kl_loss and self.algorithm.kl_loss_coef == 0.0:
             raise ValueError("use_kl_loss is set but kl_loss_coef is 0: set --kl-loss-coef")

@@ -212,6 +212,7 @@ class Runtime:
             pad,
             device=device,
             total_iters=cfg.rollout.num_rollout * cfg.training.num_steps_per_rollout,
+            max_response_len=cfg.rollout.rollout_max_response_len,
         )
         engines = RolloutEngines(cfg, prep.hf_dir, run_dir)
         return cls(cfg, run_dir, prep, engines, trainer)

@@ -3,6 +3,12 @@
 grpo:  (r - mean_group) / (std_group + eps)                -- Shao et al., DeepSeekMath
 dr_grpo: r - mean_group                                     -- Liu et al., "Dr. GRPO" (no std scaling)
 reinforce_plus_plus_baseline: r - mean_group, then whitened over the whole batch
+
+Token-level estimators ([batch, tokens] in and out; see each docstring for the formula):
+terminal_rewards: a per-sequence reward placed on the last trained token
+gae: Generalised Advantage Estimation with a critic (PPO), returning (advantages, value targets)
+reinforce_pp_returns: REINFORCE++ -- KL-shaped discounted returns, whitened over the batch's trained tokens
+masked_whiten: whitening over the tokens where mask == 1
 """
 
 from __future__ import annotations
@@ -31,3 +37,115 @@ def group_advantages(
     elif estimator not in ("grpo", "dr_grpo"):
         raise ValueError(f"unknown advantage estimator {estimator!r}")
     return adv.float()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Token-level estimators. All per-token tensors are [batch, tokens]; `mask` is 1 on trained (policy) tokens and 0 on
+# padding and on tokens the policy did not produce (prompt, tool / environment output in a multi-turn episode).
+#
+# Masked tokens in the middle of a response are *skipped*, not treated as terminal: the recursion runs over the trained
+# tokens only, so the "next step" of a trained token is the next trained token of the same row (its time index does
+# not count the masked tokens in between, i.e. discounting is per policy action). Masked tokens get advantage 0 and
+# return 0. A reward that sits on a masked token is added, undiscounted, to the nearest trained token before it (the
+# action that led to it); a reward on masked tokens before the first trained token of a row is dropped.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """(x - mean) / (std + EPS) with mean and population std taken over the tokens where mask == 1; 0 elsewhere.
+
+    shift_mean=False rescales without centring: x / (std + EPS) (the std is still about the masked mean).
+    """
+    m = mask.to(x.dtype)
+    n = m.sum().clamp(min=1.0)
+    mean = (x * m).sum() / n
+    std = (((x - mean) * m).square().sum() / n).sqrt()
+    out = (x - mean) if shift_mean else x
+    return out / (std + EPS) * m
+
+
+def terminal_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Place each sequence's scalar reward on its last trained token.
+
+    rewards: [b]; mask: [b, t] -> [b, t] with out[i, last(i)] = rewards[i], last(i) = max{t : mask[i, t] = 1},
+    zero elsewhere (a row with no trained token gets no reward).
+    """
+    m = mask > 0
+    t = mask.shape[-1]
+    pos = torch.arange(t, device=mask.device).expand_as(m)
+    last = torch.where(m, pos, torch.full_like(pos, -1)).max(dim=-1).values  # [b], -1 for an empty row
+    out = torch.zeros(mask.shape, dtype=rewards.dtype if rewards.is_floating_point() else torch.float32)
+    out = out.to(mask.device)
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    out[rows, last[rows]] = rewards[rows].to(out.dtype)
+    return out
+
+
+@torch.no_grad()
+def gae(
+    rewards_per_token: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    whiten_advantages: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised Advantage Estimation (Schulman et al., "High-Dimensional Continuous Control Using GAE") for PPO.
+
+    Over the trained tokens t of a row, with n(t) the next trained token (none after the last one):
+        delta_t = r_t + gamma * V_{n(t)} - V_t          (V_{n(t)} = 0 after the last trained token)
+        A_t     = delta_t + gamma * lam * A_{n(t)}       (A_{n(t)} = 0 after the last trained token)
+        R_t     = A_t + V_t                               (value target; computed before any whitening)
+    lam = 1 gives Monte-Carlo returns minus values, A_t = sum_k gamma^k r_{t+k} - V_t; lam = 0 gives the one-step TD
+    error A_t = delta_t. Masked tokens are skipped (see the module note above) and get A = R = 0. Inputs are treated
+    as constants (no gradient). With whiten_advantages the advantages are whitened over the trained tokens of the
+    batch (masked_whiten); the returns are not. Per-sequence rewards go through `terminal_rewards` first.
+    Returns (advantages [b, t], returns [b, t]).
+    """
+    m = mask > 0
+    dtype = values.dtype if values.is_floating_point() else torch.float32
+    r = rewards_per_token.to(dtype)
+    v = values.detach().to(dtype)
+    b, t = v.shape
+    adv = torch.zeros_like(v)
+    next_v = v.new_zeros(b)
+    next_a = v.new_zeros(b)
+    pending = v.new_zeros(b)  # rewards seen on masked tokens after the current position
+    for i in range(t - 1, -1, -1):
+        mi = m[:, i]
+        delta = r[:, i] + pending + gamma * next_v - v[:, i]
+        a = delta + gamma * lam * next_a
+        adv[:, i] = torch.where(mi, a, torch.zeros_like(a))
+        next_v = torch.where(mi, v[:, i], next_v)
+        next_a = torch.where(mi, a, next_a)
+        pending = torch.where(mi, torch.zeros_like(pending), pending + r[:, i])
+    mf = m.to(dtype)
+    returns = (adv + v) * mf
+    if whiten_advantages:
+        adv = masked_whiten(adv, mf)
+    return adv, returns
+
+
+@torch.no_grad()
+def reinforce_pp_returns(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    gamma: float = 1.0,
+) -> torch.Tensor:
+    """REINFORCE++ advantages (Hu, "REINFORCE++: A Simple and Efficient Approach for Aligning LLMs", 2025).
+
+    KL-shaped token reward, on trained tokens only:  r_t = -kl_coef * kl_t + [t = last trained token] * rewards[i]
+    Discounted return over the trained tokens:        G_t = r_t + gamma * G_{n(t)}   (G = 0 after the last one)
+    Global batch whitening over all trained tokens:    A_t = (G_t - mean(G)) / (std(G) + EPS),  A = 0 on masked tokens
+    (mean and population std over every trained token of the batch: no critic and no per-prompt baseline).
+    kl: [b, t] per-token KL estimate to the reference (e.g. `losses.kl_penalty(..., "k1")` of the rollout policy), or
+    None for no shaping. Masked tokens are skipped as in `gae` (this is `gae` with V = 0 and lam = 1, then whitened).
+    """
+    m = mask.to(torch.float32)
+    r = terminal_rewards(rewards.to(torch.float32), mask)
+    if kl is not None and kl_coef:
+        r = r - kl_coef * kl.detach().to(torch.float32) * m
+    returns, _ = gae(r, torch.zeros_like(r), m, gamma=gamma, lam=1.0)
+    return masked_whiten(returns, m)

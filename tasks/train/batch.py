@@ -21,7 +21,8 @@ def build_train_samples(table: pa.Table, estimator: str, normalize_by_std: bool)
         raise RuntimeError(f"{len(missing)} trajectories have no reward yet, e.g. (group, sample) {missing[0]}")
     rewards = torch.tensor([r["reward"] for r in rows])
     groups = torch.tensor([r["group_id"] for r in rows])
-    adv = group_advantages(rewards, groups, estimator, normalize_by_std)
+    # GSPO keeps GRPO's group-relative advantages; only its importance ratio is per sequence (the loss).
+    adv = group_advantages(rewards, groups, "grpo" if estimator == "gspo" else estimator, normalize_by_std)
     return [
         TrainSample(
             prompt_ids=r["prompt_token_ids"],

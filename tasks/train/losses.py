@@ -1,19 +1,157 @@
-"""Policy-gradient losses on per-token log-probs. All tensors are [batch, tokens]; mask is 1 on trained tokens."""
+"""Policy-gradient losses on per-token log-probs. All tensors are [batch, tokens]; mask is 1 on trained tokens.
+
+ppo_clip_loss / ppo_clip_loss_with_stats: PPO clipped surrogate (Schulman et al. 2017), optional decoupled
+    eps_low/eps_high (DAPO "clip-higher") and dual clip (Ye et al. 2020).
+gspo_loss: sequence-level importance ratio (Zheng et al. 2025, "Group Sequence Policy Optimization").
+tis_weights: truncated importance sampling against the rollout engine's log-probs (training-inference mismatch).
+value_loss: clipped value loss for a PPO critic.
+sft_loss: per-token negative log-likelihood.
+kl_penalty: per-token KL estimators (k1/k2/k3).
+aggregate: per-token -> scalar reductions (token_mean, seq_mean_token_mean, seq_mean_token_sum_norm).
+Per-token losses are returned un-masked unless a function takes `mask`; `aggregate` applies the mask.
+"""
 
 from __future__ import annotations
 
 import torch
 
 
-def ppo_clip_loss(
-    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token clipped surrogate (to minimise) and whether the clip was active."""
+def ppo_clip_loss_with_stats(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    clip_c: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate (to minimise) with optional dual clip, and per-token 0/1 indicators of each clip.
+
+    r = exp(logp - old_logp),  L_clip = max(-A * r, -A * clip(r, 1 - eps_low, 1 + eps_high))   (Schulman et al. 2017)
+    Dual clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL"), clip_c > 1:
+        L = min(L_clip, -A * clip_c)  where A < 0,   L = L_clip  where A >= 0
+    i.e. for a negative advantage the loss (and its gradient) stops growing once r > clip_c.
+    Indicators (float, same shape as the loss; not masked):
+        clipped      -- the upper or lower clip is active (L_clip comes from the clipped term; zero gradient)
+        clipped_high -- clipped with A > 0 (r > 1 + eps_high);   clipped_low -- clipped with A < 0 (r < 1 - eps_low)
+        dual_clipped -- the dual clip is active (A < 0 and r > clip_c); all zero when clip_c is None
+    """
     ratio = torch.exp(logp - old_logp)
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    loss = torch.maximum(unclipped, clipped)
-    return loss, (clipped > unclipped).float()
+    clipped_term = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = torch.maximum(unclipped, clipped_term)
+    clipped = clipped_term > unclipped
+    dual = torch.zeros_like(clipped)
+    if clip_c is not None:
+        if clip_c <= 1.0:
+            raise ValueError(f"dual clip constant must be > 1, got {clip_c}")
+        bound = -advantages * clip_c
+        dual = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+    stats = {
+        "clipped": clipped.float(),
+        "clipped_high": (clipped & (advantages > 0)).float(),
+        "clipped_low": (clipped & (advantages < 0)).float(),
+        "dual_clipped": dual.float(),
+    }
+    return loss, stats
+
+
+def ppo_clip_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    clip_c: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate (to minimise) and whether the (upper/lower) clip was active.
+
+    See `ppo_clip_loss_with_stats` for the formula, the dual clip (clip_c) and its activity indicator.
+    """
+    loss, stats = ppo_clip_loss_with_stats(logp, old_logp, advantages, eps_low, eps_high, clip_c)
+    return loss, stats["clipped"]
+
+
+def gspo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages_seq: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO per-token loss (Zheng et al. 2025, "Group Sequence Policy Optimization", GSPO-token form).
+
+    Sequence ratio (length-normalised), over the trained tokens of sequence i (|y_i| of them):
+        s_i = exp( (1/|y_i|) * sum_t mask_it * (logp_it - old_logp_it) )
+    Token ratio with the paper's stop-gradient trick, equal in value to s_i:
+        s_it = sg[s_i] * exp(logp_it - sg[logp_it])
+    Loss:  L_it = max(-A_i * s_it, -A_i * clip(s_it, 1 - eps_low, 1 + eps_high)) * mask_it
+    so d L_it / d logp_it = -A_i * s_i where the clip is inactive (0 where it is active), and averaging L_it over the
+    sequence's tokens (aggregate "seq_mean_token_mean") gives GSPO's gradient -A_i * s_i * (1/|y_i|) * grad logp_it.
+    The clip decision is per sequence. advantages_seq: [b] (or [b, t], used per token). Returns (per-token loss,
+    clipped indicator), both zeroed outside mask. sg[log s_i] is clamped to [-20, 20] (no gradient flows through it).
+    """
+    m = mask.to(logp.dtype)
+    n = m.sum(-1).clamp(min=1.0)
+    log_s = ((logp - old_logp) * m).sum(-1) / n  # [b]
+    log_s = log_s.detach().clamp(-20.0, 20.0)
+    log_s_tok = log_s.unsqueeze(-1) + logp - logp.detach()
+    s_tok = torch.exp(log_s_tok)
+    adv = advantages_seq.unsqueeze(-1) if advantages_seq.dim() == 1 else advantages_seq
+    unclipped = -adv * s_tok
+    clipped_term = -adv * s_tok.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = torch.maximum(unclipped, clipped_term) * m
+    return loss, (clipped_term > unclipped).to(logp.dtype) * m
+
+
+def tis_weights(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    clip_high: float = 2.0,
+    clip_low: float | None = None,
+) -> torch.Tensor:
+    """Truncated importance-sampling weights for the training-inference mismatch (rollout engine vs trainer).
+
+    w_t = clamp(exp(old_logp_t - rollout_logp_t), clip_low, clip_high), detached (no clamp below when clip_low is
+    None). old_logp: the trainer's log-probs of the behaviour policy; rollout_logp: the inference engine's. Multiply the
+    per-token policy loss by w before `aggregate` (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+    Off-Policy RL Training").
+    """
+    if clip_low is not None and clip_low > clip_high:
+        raise ValueError(f"clip_low {clip_low} > clip_high {clip_high}")
+    w = torch.exp(old_logp.detach() - rollout_logp.detach())
+    return w.clamp(min=clip_low, max=clip_high)
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float | None = 0.2,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss for a PPO critic (Schulman et al. 2017; as in OpenAI baselines' ppo2).
+
+    V_clip = old_V + clamp(V - old_V, -clip, clip)
+    L_t = 0.5 * max((V_t - R_t)^2, (V_clip_t - R_t)^2) * mask_t        (clip=None: 0.5 * (V_t - R_t)^2 * mask_t)
+    Returns (per-token loss, indicator that the clipped term was the larger one), both zeroed outside mask;
+    reduce with `aggregate`.
+    """
+    m = mask.to(values.dtype)
+    returns = returns.detach()
+    err = (values - returns).square()
+    if clip is None:
+        return 0.5 * err * m, torch.zeros_like(m)
+    old_values = old_values.detach()
+    v_clip = old_values + (values - old_values).clamp(-clip, clip)
+    err_clip = (v_clip - returns).square()
+    return 0.5 * torch.maximum(err, err_clip) * m, (err_clip > err).to(values.dtype) * m
+
+
+def sft_loss(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token negative log-likelihood, -logp_t * mask_t (reduce with `aggregate`)."""
+    return -logp * mask.to(logp.dtype)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
@@ -31,15 +169,32 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     raise ValueError(f"unknown KL estimator {kind!r}")
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, denom: float) -> torch.Tensor:
+def aggregate(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    denom: float,
+    num_seqs: float | None = None,
+) -> torch.Tensor:
     """Reduce per-token losses to a scalar for a micro-batch that is part of a larger global batch.
 
-    token_mean: sum over all trained tokens of the global batch / their count (`denom` = token count).
-    seq_mean_token_mean: mean per sequence, then sum / `denom` (= sequences in the global batch).
+    Summing the results over the micro-batches of a global batch gives the global-batch loss. What `denom` means:
+    token_mean: sum over the micro-batch's trained tokens / `denom`, `denom` = trained-token count of the global batch.
+    seq_mean_token_mean: mean over each sequence's trained tokens, summed over sequences, / `denom`,
+        `denom` = number of sequences in the global batch.
+    seq_mean_token_sum_norm (Liu et al., "Understanding R1-Zero-Like Training", Dr. GRPO): each sequence's token SUM
+        divided by a constant, `denom` = the maximum response length L_max (the same for every sequence, so short and
+        long answers are weighed per token alike), then summed over sequences / `num_seqs`, the number of sequences
+        in the global batch (default: this micro-batch's rows, i.e. a plain mean over its sequences).
+    `num_seqs` is used by seq_mean_token_sum_norm only. Denominators below 1 are treated as 1.
     """
     if mode == "token_mean":
         return (per_token * mask).sum() / max(denom, 1.0)
     if mode == "seq_mean_token_mean":
         per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
         return per_seq.sum() / max(denom, 1.0)
+    if mode == "seq_mean_token_sum_norm":
+        per_seq = (per_token * mask).sum(-1) / max(denom, 1.0)
+        n = float(per_token.shape[0]) if num_seqs is None else num_seqs
+        return per_seq.sum() / max(n, 1.0)
     raise ValueError(f"unknown loss aggregation {mode!r}")

@@ -21,7 +21,7 @@ from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
 from sluiceway.models.hf_megatron import hf_to_megatron, load_hf_weights, megatron_state_dict, megatron_to_hf
 from sluiceway.models.megatron_gpt import build_gpt_model, init_parallel_state, token_logprobs_and_entropy
 from sluiceway.models.zoo import load_hf_state_dict
-from sluiceway.tasks.train.losses import aggregate, kl_penalty, ppo_clip_loss
+from sluiceway.tasks.train.losses import aggregate, gspo_loss, kl_penalty, ppo_clip_loss, tis_weights
 
 
 @dataclass
@@ -71,11 +71,13 @@ class PolicyTrainer:
         pad_token_id: int,
         device: torch.device | str = "cpu",
         total_iters: int | None = None,
+        max_response_len: int | None = None,
     ):
         self.training, self.algorithm, self.temperature = training, algorithm, temperature
         self.pad_token_id = pad_token_id
         self.device = torch.device(device)
         self.total_iters = total_iters  # optimizer steps in the whole run, for LR decay
+        self.max_response_len = max_response_len  # Dr. GRPO's constant normaliser
         self.hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
         init_parallel_state()
         torch.manual_seed(training.seed)
@@ -173,7 +175,12 @@ class PolicyTrainer:
         a = self.algorithm
         eps_high = a.eps_clip_high if a.eps_clip_high is not None else a.eps_clip
         n_tokens = float(sum(mb.mask.sum() for mb in batches))
-        denom = n_tokens if a.loss_agg_mode == "token_mean" else float(sum(mb.mask.shape[0] for mb in batches))
+        n_seqs = float(sum(mb.mask.shape[0] for mb in batches))
+        # What each aggregation divides by (see losses.aggregate): tokens, sequences, or Dr. GRPO's constant.
+        denom = {"token_mean": n_tokens, "seq_mean_token_mean": n_seqs}.get(
+            a.loss_agg_mode, float(self.max_response_len or max(int(mb.mask.sum(-1).max()) for mb in batches))
+        )
+        agg_kw = {"num_seqs": n_seqs} if a.loss_agg_mode == "seq_mean_token_sum_norm" else {}
         self.model.train()
         sums = dict(
             loss=0.0,
@@ -188,16 +195,21 @@ class PolicyTrainer:
         for i, mb in enumerate(batches):
             logp, entropy = self._logprobs(self.model, mb.input_ids)
             old = old_logps[i] if old_logps is not None else logp.detach()
-            pg, clipped = ppo_clip_loss(logp, old, mb.advantages, a.eps_clip, eps_high)
-            loss = aggregate(pg, mb.mask, a.loss_agg_mode, denom)
+            if a.advantage_estimator == "gspo":
+                pg, clipped = gspo_loss(logp, old, mb.advantages, mb.mask, a.eps_clip, eps_high)
+            else:
+                pg, clipped = ppo_clip_loss(logp, old, mb.advantages, a.eps_clip, eps_high, clip_c=a.eps_clip_c)
+            if a.use_tis:
+                pg = pg * tis_weights(old, mb.rollout_logp, a.tis_clip, a.tis_clip_low)
+            loss = aggregate(pg, mb.mask, a.loss_agg_mode, denom, **agg_kw)
             sums["pg_loss"] += loss.item()
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref_logp = self._logprobs(self.ref_model, mb.input_ids)[0]
-                kl = aggregate(kl_penalty(logp, ref_logp, a.kl_loss_type), mb.mask, a.loss_agg_mode, denom)
+                kl = aggregate(kl_penalty(logp, ref_logp, a.kl_loss_type), mb.mask, a.loss_agg_mode, denom, **agg_kw)
                 loss = loss + a.kl_loss_coef * kl
                 sums["kl"] += kl.item()
-            ent = aggregate(entropy, mb.mask, a.loss_agg_mode, denom)
+            ent = aggregate(entropy, mb.mask, a.loss_agg_mode, denom, **agg_kw)
             if a.entropy_coef:
                 loss = loss - a.entropy_coef * ent
             loss.backward()
