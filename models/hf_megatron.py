@@ -1,11 +1,13 @@
-"""HF Llama-family (Llama, Qwen2) <-> megatron-core GPTModel weight mapping, with tensor-parallel sharding.
+"""HF Llama-family (Llama, Qwen2, Qwen3) <-> megatron-core GPTModel weight mapping, with tensor-parallel sharding.
 
 Layout facts the mapping relies on (megatron-core 0.16 local spec, see megatron_gpt.cpu_layer_spec):
 - `linear_qkv` rows are interleaved per KV group: [q heads of group 0, k0, v0, q heads of group 1, k1, v1, ...];
   a TP rank owns whole groups, so sharding splits along groups.
 - `linear_fc1` rows are cat(gate, up) *per TP rank*: each rank splits its output in half for SwiGLU, so gate and
   up are sharded separately and then concatenated.
-- Norms are separate modules (`input_layernorm`, `pre_mlp_layernorm`), replicated across TP ranks.
+- Norms are separate modules (`input_layernorm`, `pre_mlp_layernorm`), replicated across TP ranks. Qwen3's per-head
+  `q_norm` / `k_norm` ([head_dim]) become `self_attention.q_layernorm` / `k_layernorm`, also replicated.
+- Qwen3's `head_dim` may differ from hidden / heads: q/k/v and o_proj shapes follow head_dim throughout.
 - Embedding and output layer are vocab-parallel (rows split); `linear_proj` and `linear_fc2` are row-parallel
   (input columns split).
 """
@@ -41,6 +43,14 @@ def _has_qkv_bias(hf_config: Any) -> bool:
     return getattr(hf_config, "model_type", "") == "qwen2"
 
 
+def _has_qk_norm(hf_config: Any) -> bool:
+    return getattr(hf_config, "model_type", "") == "qwen3"
+
+
+# (HF key under self_attn., GPTModel key under self_attention.)
+_QK_NORMS = (("q_norm.weight", "q_layernorm.weight"), ("k_norm.weight", "k_layernorm.weight"))
+
+
 def _tied(hf_config: Any) -> bool:
     return bool(getattr(hf_config, "tie_word_embeddings", False))
 
@@ -72,7 +82,7 @@ def hf_to_megatron(
 
     def take(key: str) -> Tensor:
         if key not in sd:
-            raise KeyError(f"HF state dict has no {key!r} (expected a Llama/Qwen2 *ForCausalLM checkpoint)")
+            raise KeyError(f"HF state dict has no {key!r} (expected a Llama/Qwen2/Qwen3 *ForCausalLM checkpoint)")
         used.add(key)
         return sd[key]
 
@@ -105,6 +115,9 @@ def hf_to_megatron(
             out[m + "self_attention.linear_qkv.bias"] = qkv(
                 take(att + "q_proj.bias"), take(att + "k_proj.bias"), take(att + "v_proj.bias")
             )
+        if _has_qk_norm(hf_config):
+            for hf_key, mg_key in _QK_NORMS:
+                out[m + "self_attention." + mg_key] = take(att + hf_key).clone()
         out[m + "self_attention.linear_proj.weight"] = col_shard(take(att + "o_proj.weight"), "linear_proj")
         out[m + "pre_mlp_layernorm.weight"] = take(h + "post_attention_layernorm.weight").clone()
         gate = _chunk(take(h + "mlp.gate_proj.weight"), 0, tp_rank, tp_size, "gate_proj")
@@ -118,7 +131,7 @@ def hf_to_megatron(
         out["output_layer.weight"] = row_shard(take("lm_head.weight"), "output_layer")
     extra = sorted(set(sd) - used)
     if extra:
-        raise ValueError(f"HF state dict has keys the Llama/Qwen2 mapping does not know: {extra[:8]}")
+        raise ValueError(f"HF state dict has keys the Llama/Qwen2/Qwen3 mapping does not know: {extra[:8]}")
     return out
 
 
@@ -180,6 +193,9 @@ def megatron_to_hf(
             qb, kb, vb = split_qkv(sd[m + "self_attention.linear_qkv.bias"])
             out[h + "self_attn.q_proj.bias"], out[h + "self_attn.k_proj.bias"] = qb, kb
             out[h + "self_attn.v_proj.bias"] = vb
+        if _has_qk_norm(hf_config):
+            for hf_key, mg_key in _QK_NORMS:
+                out[h + "self_attn." + hf_key] = sd[m + "self_attention." + mg_key].clone()
         out[h + "self_attn.o_proj.weight"] = sd[m + "self_attention.linear_proj.weight"].clone()
         gate, up = sd[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
         out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate.clone(), up.clone()

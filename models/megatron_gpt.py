@@ -1,8 +1,13 @@
-"""Megatron-core GPTModel for HF Llama-family checkpoints, usable on CPU and CUDA.
+"""Megatron-core GPTModel for HF Llama-family checkpoints (Llama, Qwen2, Qwen3), usable on CPU and CUDA.
 
 megatron-core's stock local spec uses `DotProductAttention` (a CUDA memory buffer and CUDA RNG forks) and its
 RoPE moves `inv_freq` to CUDA on first use; both are replaced here so the same model trains on CPU (gloo, for
 tests and the one-machine path) and on GPUs. Weight mapping lives in `hf_megatron.py`.
+
+Data parallelism on CPU: megatron's `DistributedDataParallel` (and its optimizers, which expect its grad buffers)
+allocate their contiguous grad buffers with `device=torch.cuda.current_device()` and overlap the reduction on
+CUDA streams, so they cannot run without a GPU. On CPU use `allreduce_gradients` (below) after `backward()`, or
+torch's own DDP over `parallel_state.get_data_parallel_group()`; both reduce over gloo.
 """
 
 from __future__ import annotations
@@ -30,11 +35,13 @@ with warnings.catch_warnings():
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.module import MegatronModule
     from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 __all__ = [
     "SDPACoreAttention",
+    "allreduce_gradients",
     "build_gpt_model",
     "cpu_layer_spec",
     "gpt_logits",
@@ -151,26 +158,41 @@ def _head_dim(hf_config: Any) -> int:
     return int(head_dim) if head_dim else hf_config.hidden_size // hf_config.num_attention_heads
 
 
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
 def _qkv_bias(hf_config: Any) -> bool:
-    """Qwen2 has q/k/v biases and no o_proj bias; Llama's `attention_bias` also biases o_proj (unsupported)."""
+    """Qwen2 has q/k/v biases and no o_proj bias; Llama's and Qwen3's `attention_bias` also bias o_proj
+    (unsupported: GPTModel's add_bias_linear would bias the MLP too)."""
     if getattr(hf_config, "model_type", "") == "qwen2":
         return True
     if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
-        raise NotImplementedError("Llama attention_bias / mlp_bias are not supported by the Megatron mapping")
+        raise NotImplementedError("attention_bias / mlp_bias are not supported by the Megatron mapping")
     return False
+
+
+def _qk_layernorm(hf_config: Any) -> bool:
+    """Qwen3 RMS-normalises every q and k head (`q_norm`, `k_norm`, weight [head_dim]) before RoPE."""
+    return getattr(hf_config, "model_type", "") == "qwen3"
 
 
 def transformer_config_from_hf(
     hf_config: Any, dtype: torch.dtype = torch.float32, **overrides: Any
 ) -> TransformerConfig:
-    """TransformerConfig for an HF LlamaConfig / Qwen2Config. `overrides` set any other TransformerConfig field."""
+    """TransformerConfig for an HF Llama/Qwen2/Qwen3 config. `overrides` set any other TransformerConfig field.
+
+    Qwen3 sets `qk_layernorm=True` (RMSNorm over head_dim with the model's rms_norm_eps, applied before RoPE, as
+    HF does) and `kv_channels=head_dim`, which may differ from hidden_size / num_attention_heads.
+    """
     model_type = getattr(hf_config, "model_type", "llama")
-    if model_type not in ("llama", "qwen2"):
-        raise NotImplementedError(f"model_type={model_type!r}: only llama and qwen2 map to GPTModel here")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise NotImplementedError(
+            f"model_type={model_type!r}: only {', '.join(SUPPORTED_MODEL_TYPES)} map to GPTModel here"
+        )
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise NotImplementedError(f"hidden_act={hf_config.hidden_act!r} (expected silu for SwiGLU)")
     if getattr(hf_config, "use_sliding_window", False):
-        raise NotImplementedError("Qwen2 sliding-window attention is not supported")
+        raise NotImplementedError("Qwen2/Qwen3 sliding-window attention (use_sliding_window) is not supported")
     tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
     pp = (
         parallel_state.get_pipeline_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
@@ -188,6 +210,7 @@ def transformer_config_from_hf(
         "activation_func": F.silu,
         "add_bias_linear": False,
         "add_qkv_bias": _qkv_bias(hf_config),
+        "qk_layernorm": _qk_layernorm(hf_config),
         # RL needs deterministic log-probs: no hidden dropout; attention dropout as the checkpoint says (0).
         "hidden_dropout": 0.0,
         "attention_dropout": float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
@@ -301,9 +324,19 @@ class SDPACoreAttention(MegatronModule):
 
 
 def cpu_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
-    """megatron's local (no Transformer Engine) GPT layer spec with RMSNorm and SDPA core attention."""
+    """megatron's local (no Transformer Engine) GPT layer spec with RMSNorm and SDPA core attention.
+
+    With `qk_layernorm` the attention's `q_layernorm` / `k_layernorm` are `WrappedTorchNorm`, which builds a
+    `torch.nn.RMSNorm(head_dim, eps=config.layernorm_epsilon)` when `config.normalization == "RMSNorm"` (as
+    `transformer_config_from_hf` sets): per-head, replicated across TP ranks, CPU-safe. Pinned explicitly so
+    the spec does not depend on which norm megatron's backend provider picks.
+    """
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    attn = spec.submodules.self_attention.submodules
+    attn.core_attention = SDPACoreAttention
+    if qk_layernorm:
+        attn.q_layernorm = WrappedTorchNorm
+        attn.k_layernorm = WrappedTorchNorm
     return spec
 
 
@@ -331,7 +364,7 @@ def build_gpt_model(
     layer_spec: ModuleSpec | None = None,
     **config_overrides: Any,
 ) -> GPTModel:
-    """A GPTModel shaped like the HF Llama/Qwen2 config (weights uninitialised: load them with hf_megatron).
+    """A GPTModel shaped like the HF Llama/Qwen2/Qwen3 config (weights uninitialised: load them with hf_megatron).
 
     Needs `init_parallel_state()` first. With TP>1 the output layer stays vocab-parallel (parallel_output=True):
     use `token_logprobs`, which reduces across the TP group.
@@ -348,7 +381,7 @@ def build_gpt_model(
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec if layer_spec is not None else cpu_layer_spec(),
+        transformer_layer_spec=layer_spec if layer_spec is not None else cpu_layer_spec(config.qk_layernorm),
         vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pp_rank == 0,
@@ -374,6 +407,53 @@ def build_gpt_model(
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Data parallelism
+# --------------------------------------------------------------------------------------------------------------
+
+
+def allreduce_gradients(model: torch.nn.Module, group: Any = None, average: bool = False) -> None:
+    """Sum (or with `average`, mean) every parameter's `.grad` over the data-parallel group, in place.
+
+    Call after `backward()` and before the optimizer step. The loss convention that makes a sum exact: each DP
+    rank normalises its loss by the *global* number of loss tokens (all ranks' micro-batches together), so the
+    summed gradients equal the full-batch gradient. Parameters that need a grad but got none on this rank take
+    part as zeros (and keep a zero grad), so every rank issues the same collective. One flat all-reduce per
+    dtype. Works on any backend (gloo on CPU, NCCL on GPU).
+
+    Why not megatron's `DistributedDataParallel`: its contiguous grad buffers are allocated on
+    `torch.cuda.current_device()` and its reductions overlap on CUDA streams, so it is CUDA-only (as are
+    megatron's optimizers, which read those buffers). torch's DDP over the same group also works on CPU, but it
+    *averages* gradients and wraps the module; this helper keeps the GPTModel unwrapped and the loss scaling explicit.
+    Under pipeline parallelism the tied embedding / output weights also need megatron's embedding-group
+    reduction, which this helper does not do.
+    """
+    if group is None:
+        if not parallel_state.model_parallel_is_initialized():
+            raise RuntimeError("call init_parallel_state() before allreduce_gradients()")
+        group = parallel_state.get_data_parallel_group()
+    world = torch.distributed.get_world_size(group=group)
+    if world == 1:
+        return
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+    for params in by_dtype.values():
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM, group=group)
+        if average:
+            flat.div_(world)
+        offset = 0
+        for p in params:
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+            offset += n
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Log-probs
 # --------------------------------------------------------------------------------------------------------------
 
@@ -385,17 +465,78 @@ def gpt_logits(model: GPTModel, input_ids: Tensor) -> Tensor:
     return model(input_ids, position_ids, attention_mask=None)
 
 
+class _EntropyFromLogProbs(torch.autograd.Function):
+    """H = -sum_j exp(l_j) l_j over the last dim of normalised log-probs `l`, saving only `l` for backward.
+
+    `l` is log_softmax's output, which log_softmax's own backward keeps anyway, so the entropy adds no saved
+    full-vocab tensor (`-(l.exp() * l).sum(-1)` would keep exp(l) too). dH/dl_j = -exp(l_j) (l_j + 1).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logp_all: Tensor) -> Tensor:
+        ctx.save_for_backward(logp_all)
+        return torch.exp(logp_all).mul_(logp_all).sum(-1).neg_()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (logp_all,) = ctx.saved_tensors
+        p = torch.exp(logp_all)
+        return p.addcmul_(p, logp_all).mul_(grad.unsqueeze(-1).neg())  # -g * p * (l + 1), one temporary
+
+
+class _LocalSoftmaxStats(torch.autograd.Function):
+    """Per-rank (sum_j exp(s_j), sum_j exp(s_j) s_j) of a vocab shard of shifted logits `s`, saving only `s`.
+
+    Both are recomputed from `s` in backward: d/ds_j = exp(s_j) * (g_sum + g_wsum * (s_j + 1)).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, shifted: Tensor, with_weighted: bool) -> tuple[Tensor, Tensor]:
+        ctx.save_for_backward(shifted)
+        ctx.with_weighted = with_weighted
+        exp = torch.exp(shifted)
+        sum_exp = exp.sum(-1)
+        weighted = exp.mul_(shifted).sum(-1) if with_weighted else torch.zeros_like(sum_exp)
+        return sum_exp, weighted
+
+    @staticmethod
+    def backward(ctx: Any, g_sum: Tensor | None, g_weighted: Tensor | None) -> tuple[Tensor, None]:
+        (shifted,) = ctx.saved_tensors
+        out = torch.exp(shifted)
+        if ctx.with_weighted and g_weighted is not None:
+            coef = shifted + 1.0
+            coef.mul_(g_weighted.unsqueeze(-1))
+            if g_sum is not None:
+                coef.add_(g_sum.unsqueeze(-1))
+            out.mul_(coef)
+        elif g_sum is not None:
+            out.mul_(g_sum.unsqueeze(-1))
+        else:
+            out.zero_()
+        return out, None
+
+
 def _shifted_logprobs(
-    logits: Tensor, input_ids: Tensor, temperature: float, with_entropy: bool
+    model: GPTModel, input_ids: Tensor, temperature: float, with_entropy: bool
 ) -> tuple[Tensor, Tensor | None]:
-    """log p(input_ids[:, t+1]) and entropy at t from (possibly vocab-parallel) logits [b, s, v_local]."""
-    logits = logits[:, :-1].float() / temperature
+    """log p(input_ids[:, t+1]) and entropy at t from the model's (possibly vocab-parallel) logits [b, s, v_local].
+
+    Memory: the logits are produced here, so this frame holds the only reference and each full-vocab tensor is
+    dropped as soon as the next is made. Under autograd exactly one full-vocab fp32 tensor stays saved for
+    backward (log_softmax's output at TP=1, the shifted logits under TP); the entropy reuses it.
+    """
+    logits = gpt_logits(model, input_ids)[:, :-1]
+    if logits.dtype != torch.float32:
+        logits = logits.float()  # the low-precision copy is freed on rebinding (ToCopyBackward saves nothing)
+    if temperature != 1.0:
+        logits = logits / temperature  # DivBackward by a scalar saves nothing: the undivided copy is freed
     targets = input_ids[:, 1:]
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if tp == 1:
         logp_all = torch.log_softmax(logits, dim=-1)
+        del logits
         logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+        entropy = _EntropyFromLogProbs.apply(logp_all) if with_entropy else None
         return logp, entropy
     # Vocab-parallel: each rank holds a slice of the vocab. Per-rank partial sums are all-reduced with megatron's
     # mapping (all-reduce forward, identity backward) and only combined *after* the reduction. That keeps the
@@ -407,17 +548,18 @@ def _shifted_logprobs(
     m = logits.detach().amax(-1)
     torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
     shifted = logits - m.unsqueeze(-1)
-    exp = shifted.exp()
-    sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(-1))
+    del logits
     local = targets - start
     in_shard = (local >= 0) & (local < v_local)
     tgt = shifted.gather(-1, local.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1) * in_shard
+    local_sum, local_weighted = _LocalSoftmaxStats.apply(shifted, with_entropy)
+    sum_exp = reduce_from_tensor_model_parallel_region(local_sum)
     log_z = sum_exp.log()
     logp = reduce_from_tensor_model_parallel_region(tgt) - log_z
     entropy = None
     if with_entropy:
         # H = log Z - sum_i exp(s_i) s_i / Z
-        weighted = reduce_from_tensor_model_parallel_region((exp * shifted).sum(-1))
+        weighted = reduce_from_tensor_model_parallel_region(local_weighted)
         entropy = log_z - weighted / sum_exp
     return logp, entropy
 
@@ -428,12 +570,16 @@ def token_logprobs(model: GPTModel, input_ids: Tensor, temperature: float = 1.0)
     Right padding is harmless: causal attention keeps valid positions independent of later pad tokens, so
     callers mask out the pad positions of the result. Differentiable (use under no_grad for inference).
     """
-    logp, _ = _shifted_logprobs(gpt_logits(model, input_ids), input_ids, temperature, with_entropy=False)
+    logp, _ = _shifted_logprobs(model, input_ids, temperature, with_entropy=False)
     return logp
 
 
 def token_logprobs_and_entropy(model: GPTModel, input_ids: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
-    """(log-probs [b, s-1], entropy [b, s-1]) of the next-token distribution at logits / temperature, fp32."""
-    logp, entropy = _shifted_logprobs(gpt_logits(model, input_ids), input_ids, temperature, with_entropy=True)
+    """(log-probs [b, s-1], entropy [b, s-1]) of the next-token distribution at logits / temperature, fp32.
+
+    One log_softmax feeds both outputs; the entropy's backward recomputes exp from the saved log-probs, so only
+    one full-vocab tensor is kept for backward (see `_shifted_logprobs`).
+    """
+    logp, entropy = _shifted_logprobs(model, input_ids, temperature, with_entropy=True)
     assert entropy is not None
     return logp, entropy
