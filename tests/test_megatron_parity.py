@@ -6,13 +6,14 @@ Models are tiny and built in code (nothing is downloaded); fp32 throughout so 1e
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from model_helpers import padded_batch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from sluiceway.infra.router import free_port
 from sluiceway.models.hf_megatron import (
     hf_to_megatron,
     load_hf_weights,
@@ -63,16 +64,6 @@ def tiny_hf_model(tied: bool) -> LlamaForCausalLM:
     return model
 
 
-def padded_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (len(LENGTHS), max(LENGTHS)), generator=g)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(LENGTHS):
-        mask[row, :n] = 1
-        ids[row, n:] = 0  # pad id
-    return ids, mask
-
-
 def hf_logprobs_entropy(model, ids, mask, temperature):
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask).logits.float() / temperature
@@ -92,7 +83,7 @@ def test_logprob_parity_and_round_trip(tied):
     hf = tiny_hf_model(tied)
     gpt = build_gpt_model(hf.config).eval()
     load_hf_weights(gpt, hf)
-    ids, mask = padded_batch()
+    ids, mask = padded_batch(LENGTHS)
     valid = mask[:, 1:].bool()  # target position t+1 is a real token
     for temperature in (1.0, 0.7):
         ref_logp, ref_ent = hf_logprobs_entropy(hf, ids, mask, temperature)
@@ -116,7 +107,7 @@ def test_backward_gives_finite_grads_on_every_parameter():
     hf = tiny_hf_model(tied=False)
     gpt = build_gpt_model(hf.config).train()
     load_hf_weights(gpt, hf)
-    ids, mask = padded_batch()
+    ids, mask = padded_batch(LENGTHS)
     logp, ent = token_logprobs_and_entropy(gpt, ids, temperature=0.7)
     valid = mask[:, 1:].float()
     loss = -((logp + 0.01 * ent) * valid).sum() / valid.sum()
@@ -193,12 +184,6 @@ def config_mask_causal():
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tp_worker(rank: int, port: int, tied: bool, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
@@ -206,7 +191,7 @@ def _tp_worker(rank: int, port: int, tied: bool, out_dir: str) -> None:
     hf = tiny_hf_model(tied)
     gpt = build_gpt_model(hf.config).eval()
     load_hf_weights(gpt, hf)
-    ids, _ = padded_batch()
+    ids, _ = padded_batch(LENGTHS)
     logp, ent = token_logprobs_and_entropy(gpt, ids, temperature=0.7)
     (logp.sum() + ent.sum()).backward()
     grads = {n: p.grad.detach().clone() for n, p in gpt.named_parameters()}
@@ -219,13 +204,13 @@ def _tp_worker(rank: int, port: int, tied: bool, out_dir: str) -> None:
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_tp2_matches_tp1(tmp_path, tied):
-    mp.start_processes(_tp_worker, args=(_free_port(), tied, str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_tp_worker, args=(free_port(), tied, str(tmp_path)), nprocs=2, start_method="spawn")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
     hf = tiny_hf_model(tied)
     gpt = build_gpt_model(hf.config).eval()
     load_hf_weights(gpt, hf)
-    ids, _ = padded_batch()
+    ids, _ = padded_batch(LENGTHS)
     logp, ent = token_logprobs_and_entropy(gpt, ids, temperature=0.7)
     (logp.sum() + ent.sum()).backward()
 
@@ -267,7 +252,7 @@ def test_qwen2_logprob_parity_and_round_trip():
                 p.add_(0.1 * torch.randn_like(p))  # non-trivial biases and norms
     gpt = build_gpt_model(hf.config).eval()
     load_hf_weights(gpt, hf)
-    ids, mask = padded_batch()
+    ids, mask = padded_batch(LENGTHS)
     valid = mask[:, 1:].bool()
     ref_logp, _ = hf_logprobs_entropy(hf, ids, mask, 1.0)
     with torch.no_grad():

@@ -1,0 +1,219 @@
+"""Qwen3 on Megatron GPTModel (per-head q/k RMSNorm, explicit head_dim) and DP=2 vs DP=1 gradients over gloo.
+
+Tiny models built in code, fp32 throughout, so 1e-5 is a real bound.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from model_helpers import padded_batch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from sluiceway.infra.router import free_port
+from sluiceway.models.hf_megatron import (
+    hf_to_megatron,
+    load_hf_weights,
+    megatron_state_dict,
+    megatron_to_hf,
+    merge_tp_shards,
+)
+from sluiceway.models.megatron_gpt import (
+    _EntropyFromLogProbs,
+    allreduce_gradients,
+    build_gpt_model,
+    init_parallel_state,
+    token_logprobs,
+    token_logprobs_and_entropy,
+    transformer_config_from_hf,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+VOCAB = 300
+HEAD_DIM = 24  # != hidden / heads = 16
+LENGTHS = [12, 9, 3, 6]  # right-padded; the two DP halves hold 21 and 9 tokens
+TEMPERATURE = 0.7
+
+
+def qwen3_config(tied: bool = False) -> Qwen3Config:
+    return Qwen3Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=HEAD_DIM,
+        intermediate_size=96,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+        attn_implementation="eager",
+    )
+
+
+def qwen3_model(tied: bool = False) -> Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(qwen3_config(tied)).eval()
+    with torch.no_grad():  # norms start at 1: perturb them so a swapped or dropped q/k norm cannot pass
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+def masked_loss(logp: torch.Tensor, ent: torch.Tensor, valid: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """Token-mean policy-gradient-like loss with an entropy bonus, normalised by a given (global) token count."""
+    return -((logp + 0.01 * ent) * valid).sum() / n_tokens
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _parallel_state():
+    init_parallel_state()
+
+
+def test_qwen3_config_and_qk_norm_modules():
+    cfg = qwen3_config()
+    tc = transformer_config_from_hf(cfg)
+    assert tc.qk_layernorm and tc.kv_channels == HEAD_DIM and not tc.add_qkv_bias
+    gpt = build_gpt_model(cfg)
+    attn = gpt.decoder.layers[0].self_attention
+    for norm in (attn.q_layernorm, attn.k_layernorm):
+        assert isinstance(norm, torch.nn.RMSNorm)
+        assert norm.normalized_shape == (HEAD_DIM,) and norm.eps == cfg.rms_norm_eps
+    with pytest.raises(NotImplementedError, match="attention_bias"):
+        transformer_config_from_hf(Qwen3Config(**{**qwen3_config().to_dict(), "attention_bias": True}))
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_qwen3_logprob_grad_parity_and_round_trip(tied):
+    hf = qwen3_model(tied)
+    gpt = build_gpt_model(hf.config).eval()
+    load_hf_weights(gpt, hf)
+    ids, mask = padded_batch(LENGTHS)
+    valid = mask[:, 1:].float()
+
+    logits = hf(input_ids=ids, attention_mask=mask).logits.float() / TEMPERATURE
+    logp_all = torch.log_softmax(logits[:, :-1], dim=-1)
+    ref_logp = logp_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    ref_ent = -(logp_all.exp() * logp_all).sum(-1)
+    masked_loss(ref_logp, ref_ent, valid, int(valid.sum())).backward()
+
+    logp, ent = token_logprobs_and_entropy(gpt, ids, temperature=TEMPERATURE)
+    masked_loss(logp, ent, valid, int(valid.sum())).backward()
+    sel = valid.bool()
+    assert (logp - ref_logp).detach()[sel].abs().max().item() <= 1e-5
+    assert (ent - ref_ent).detach()[sel].abs().max().item() <= 1e-5
+    with torch.no_grad():
+        assert torch.equal(token_logprobs(gpt, ids, temperature=TEMPERATURE), logp.detach())
+
+    # HF gradients mapped like weights equal the GPTModel gradients (q/k norms included).
+    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    mapped = hf_to_megatron(hf_grads, hf.config)
+    for name, p in gpt.named_parameters():
+        torch.testing.assert_close(p.grad, mapped[name], atol=1e-5, rtol=1e-4, msg=name)
+    assert mapped["decoder.layers.1.self_attention.k_layernorm.weight"].abs().sum() > 0
+
+    # HF -> Megatron -> HF is bit-exact, q_norm / k_norm included.
+    back = megatron_to_hf(megatron_state_dict(gpt), hf.config)
+    ref = hf.state_dict()
+    assert set(back) == set(ref)
+    for key, tensor in ref.items():
+        assert torch.equal(back[key], tensor), key
+
+
+def test_qwen3_tp_sharding_round_trip():
+    hf = qwen3_model()
+    ref = hf.state_dict()
+    full = hf_to_megatron(ref, hf.config)
+    assert full["decoder.layers.0.self_attention.q_layernorm.weight"].shape == (HEAD_DIM,)
+    assert full["decoder.layers.0.self_attention.linear_qkv.weight"].shape == ((4 + 2 * 2) * HEAD_DIM, 64)
+    assert full["decoder.layers.0.self_attention.linear_proj.weight"].shape == (64, 4 * HEAD_DIM)
+    shards = [hf_to_megatron(ref, hf.config, tp_rank=r, tp_size=2) for r in range(2)]
+    for shard in shards:  # per-head norms are replicated, not split
+        assert torch.equal(
+            shard["decoder.layers.0.self_attention.k_layernorm.weight"], ref["model.layers.0.self_attn.k_norm.weight"]
+        )
+    merged = merge_tp_shards(shards, hf.config)
+    assert set(merged) == set(full) and all(torch.equal(merged[k], full[k]) for k in full)
+    back = megatron_to_hf(shards, hf.config)
+    assert all(torch.equal(back[k], v) for k, v in ref.items())
+    with pytest.raises(ValueError, match="tp_size=4"):  # 2 KV heads cannot split 4 ways
+        hf_to_megatron(ref, hf.config, tp_rank=0, tp_size=4)
+
+
+def test_entropy_function_gradcheck():
+    logits = torch.randn(3, 5, 11, dtype=torch.float64, requires_grad=True)
+
+    def via_function(z):
+        return _EntropyFromLogProbs.apply(torch.log_softmax(z, -1))
+
+    assert torch.autograd.gradcheck(via_function, (logits,))
+    lp = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(via_function(logits), -(lp.exp() * lp).sum(-1))
+
+
+def test_allreduce_gradients_is_a_noop_at_dp1():
+    gpt = build_gpt_model(qwen3_config())
+    for p in gpt.parameters():
+        p.grad = torch.full_like(p, 2.0)
+    allreduce_gradients(gpt)
+    assert all(torch.equal(p.grad, torch.full_like(p, 2.0)) for p in gpt.parameters())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# DP=2 (two spawned processes, gloo, TP=1) against one process on the full batch
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _dp_worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state
+
+    init_parallel_state(tensor_model_parallel_size=1, backend="gloo")
+    assert parallel_state.get_data_parallel_world_size() == 2
+    assert parallel_state.get_data_parallel_rank() == rank
+    hf = qwen3_model()
+    gpt = build_gpt_model(hf.config).train()
+    load_hf_weights(gpt, hf)
+    ids, mask = padded_batch(LENGTHS)
+    n_global = int(mask[:, 1:].sum())  # every rank knows (or all-reduces) the global loss-token count
+    half = len(LENGTHS) // 2
+    rows = slice(rank * half, (rank + 1) * half)
+    ids, valid = ids[rows], mask[rows, 1:].float()
+    logp, ent = token_logprobs_and_entropy(gpt, ids, temperature=TEMPERATURE)
+    loss = masked_loss(logp, ent, valid, n_global)
+    loss.backward()
+    allreduce_gradients(gpt)
+    total = loss.detach().clone()
+    torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    grads = {n: p.grad.detach().clone() for n, p in gpt.named_parameters()}
+    torch.save({"loss": total, "grads": grads}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def test_dp2_matches_single_process_full_batch(tmp_path):
+    mp.start_processes(_dp_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+
+    hf = qwen3_model()
+    gpt = build_gpt_model(hf.config).train()
+    load_hf_weights(gpt, hf)
+    ids, mask = padded_batch(LENGTHS)
+    valid = mask[:, 1:].float()
+    logp, ent = token_logprobs_and_entropy(gpt, ids, temperature=TEMPERATURE)
+    loss = masked_loss(logp, ent, valid, int(valid.sum()))
+    loss.backward()
+
+    for r in ranks:
+        assert abs(r["loss"].item() - loss.item()) <= 1e-5
+        assert set(r["grads"]) == {n for n, _ in gpt.named_parameters()}
+        for name, p in gpt.named_parameters():
+            assert (r["grads"][name] - p.grad).abs().max().item() <= 1e-5, name
+    # The ranks hold identical gradients (the optimizer steps stay in lockstep).
+    assert all(torch.equal(ranks[0]["grads"][n], ranks[1]["grads"][n]) for n in ranks[0]["grads"])
