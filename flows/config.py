@@ -124,6 +124,13 @@ class RewardConfig(_Group):
         None, description="When a scorer returns a dict of values, the key that is the reward (the rest is kept)."
     )
     reward_timeout_s: float = Field(30.0, gt=0, description="A sample whose scorer takes longer gets reward 0.")
+    length_penalty_budget: int | None = Field(
+        None,
+        ge=0,
+        description="Length shaping: the reward is scaled down linearly for responses longer than "
+        "this many tokens, reaching 0 at budget + length_penalty_window.",
+    )
+    length_penalty_window: int = Field(256, ge=1, description="Tokens over the budget at which the reward is 0.")
 
 
 class AlgorithmConfig(_Group):

@@ -132,7 +132,9 @@ def prepare(cfg: RunConfig) -> Prepared:
         scorer, group_rm = get_scorer(rw.rm_type, rw.custom_rm_path), rw.group_rm
     # The remote model retries within its own deadline; the stage's limit covers a whole group's batch.
     timeout = rw.reward_timeout_s * 4 if rw.rm_type == "remote" else rw.reward_timeout_s
-    reward_settings = RewardSettings(scorer, timeout, group_rm, rw.reward_key)
+    reward_settings = RewardSettings(
+        scorer, timeout, group_rm, rw.reward_key, rw.length_penalty_budget, rw.length_penalty_window
+    )
     rollout_filter = None
     if cfg.rollout.dynamic_sampling_filter_path:
         rollout_filter = scoring_filter(reward_settings, [user_filter(cfg.rollout.dynamic_sampling_filter_path)])

@@ -224,3 +224,13 @@ def test_async_scorers_per_sample_and_per_group():
     rows = [{"group_id": 0, "sample_index": i, "response_text": t, "label": "7"} for i, t in enumerate(["7", "8"])]
     assert [r for r, _ in score_rows(rows, RewardSettings(judge))] == [1.0, 0.0]
     assert [r for r, _ in score_rows(rows, RewardSettings(judge_group, group_rm=True))] == [1.0, 0.0]
+
+
+def test_length_shaping_scales_rewards_by_response_tokens():
+    rows = [
+        {"group_id": 0, "sample_index": i, "response_text": "7", "label": "7", "response_token_ids": [5] * n}
+        for i, n in enumerate([4, 10, 12, 40])
+    ]
+    out = score_rows(rows, RewardSettings(lambda r, lab, s: 1.0, length_budget=10, length_window=4))
+    assert [reward for reward, _ in out] == [1.0, 1.0, 0.5, 0.0]  # penalty 0 up to 10 tokens, 1 at 14
+    assert out[2][1] == {"length": 12, "length_penalty": 0.5, "unpenalized_reward": 1.0}

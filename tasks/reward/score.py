@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sluiceway.storage.trajectories import read_trajectories, set_rewards
+from sluiceway.tasks.reward.verifiers.shaping import length_penalty
 
 # Scorer threads that time out cannot be killed (Python threads); they finish in the background while the
 # step goes on. Code execution runs in a sandboxed process with its own limits for that reason.
@@ -32,6 +33,8 @@ class RewardSettings:
     timeout_s: float = 30.0
     group_rm: bool = False
     reward_key: str | None = None
+    length_budget: int | None = None  # shaping: full reward up to this many response tokens...
+    length_window: int = 256  # ...then linearly down to 0 at budget + window
 
 
 def as_reward(out, reward_key: str | None) -> tuple[float, dict]:
@@ -59,6 +62,19 @@ def _failed(status: str, message: str) -> tuple[float, dict]:
 
 def score_rows(rows: list[dict], s: RewardSettings) -> list[tuple[float, dict]]:
     """(reward, details) for each row; failures and timeouts become reward 0 with their reason."""
+    out = _score(rows, s)
+    if s.length_budget is None:
+        return out
+    shaped = []
+    for r, (reward, details) in zip(rows, out):
+        n = len(r.get("response_token_ids") or [])  # the engine's tokens: length is never re-tokenized text
+        penalty = length_penalty(n, s.length_budget, s.length_window)
+        details = {**details, "length": n, "length_penalty": penalty, "unpenalized_reward": reward}
+        shaped.append((reward * (1.0 - penalty), details))
+    return shaped
+
+
+def _score(rows: list[dict], s: RewardSettings) -> list[tuple[float, dict]]:
     if s.group_rm:
         groups: dict[int, list[int]] = {}
         for i, r in enumerate(rows):
