@@ -139,7 +139,7 @@ def format_step(step: int, total: int, m: dict, seconds: float) -> str:
 def rl_flow(config: dict) -> dict:
     """Run `config` (a RunConfig as a dict: no secrets are in it) from its last checkpoint to the end."""
     cfg = RunConfig.model_validate(config)
-    rt = runtime.Runtime.create(cfg)
+    rt = runtime.Runtime.create(cfg, runtime.take_prepared(cfg.run_id))
     runtime.register(rt)
     history = []
     try:

@@ -18,11 +18,11 @@ def run(cfg: RunConfig) -> dict:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("sluiceway").setLevel(cfg.logging.log_level)
     from sluiceway.flows.rl import rl_flow  # imported after Prefect's settings are in the environment
-    from sluiceway.flows.runtime import prepare
+    from sluiceway.flows.runtime import hand_over, prepare
 
     # Everything a user can get wrong (data files, scorer, model name, prompt lengths) is checked here,
-    # before the flow starts, so a mistake is one line rather than a failed flow run.
-    prepare(cfg)
+    # before the flow starts, so a mistake is one line rather than a failed flow run; the flow reuses it.
+    hand_over(cfg, prepare(cfg))
 
     result = rl_flow(cfg.model_dump(mode="json"))
     if not cfg.logging.quiet:

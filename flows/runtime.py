@@ -69,8 +69,8 @@ def adaptive_step_prompts(cfg: RunConfig, prep: Prepared, step: int, n: int) -> 
     import_records(
         records, prep.store, name, source=f"step{step}", input_key="input", label_key="label", metadata_key="metadata"
     )
-    rows = [r for r in load_prompts(prep.store, name) if r["prompt_id"].startswith(f"step{step}:")]
-    return render_items(cfg, prep.tokenizer, rows)
+    # Only this step's rows: the table grows by a batch every step.
+    return render_items(cfg, prep.tokenizer, load_prompts(prep.store, name, source=f"step{step}"))
 
 
 def render_items(cfg: RunConfig, tokenizer, rows: list[dict]) -> list[PromptItem]:
@@ -249,6 +249,17 @@ class Runtime:
 
 
 _RUNTIMES: dict[str, Runtime] = {}
+# A Prepared made by the CLI's preflight, handed to the flow in the same process so it is not made twice.
+_PREPARED: dict[str, Prepared] = {}
+
+
+def hand_over(cfg: RunConfig, prep: Prepared) -> None:
+    _PREPARED[cfg.run_id] = prep
+
+
+def take_prepared(run_id: str) -> Prepared | None:
+    """The preflight's Prepared for this run, if this process made one (a deployment's worker did not)."""
+    return _PREPARED.pop(run_id, None)
 
 
 def register(rt: Runtime) -> None:

@@ -107,11 +107,16 @@ def import_records(
     return _append(store, name, rows, app_id=f"dataset:{digest.hexdigest()}")
 
 
-def load_prompts(store: ObjectStore, name: str, version: int | None = None) -> list[dict[str, Any]]:
-    """All prompts of dataset ``name`` as dicts, in a stable order (source, then row)."""
+def load_prompts(
+    store: ObjectStore, name: str, version: int | None = None, source: str | None = None
+) -> list[dict[str, Any]]:
+    """The prompts of dataset ``name`` (only those from ``source``, if given) as dicts, in a stable order
+    (source, then row)."""
     if not table_exists(store, name):
         raise UserError(f"dataset {name!r} not found in {store.root}; import it first")
-    table = read_table(store, name, version=version).sort_by([("source", "ascending"), ("row_index", "ascending")])
+    filters = [("source", "=", source)] if source is not None else None
+    table = read_table(store, name, version=version, filters=filters)
+    table = table.sort_by([("source", "ascending"), ("row_index", "ascending")])
     rows = table.to_pylist()
     for row in rows:
         row["metadata"] = json.loads(row["metadata"]) if row["metadata"] else {}
