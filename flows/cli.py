@@ -1,9 +1,15 @@
 """The `sluiceway` command.
 
     sluiceway run [CONFIG.yaml] [--flag value ...]   train (flags override the YAML)
+    sluiceway sft [CONFIG.yaml] [--flag value ...]   supervised fine-tuning on --prompt-data
+    sluiceway replay [CONFIG.yaml] --replay-run-id RUN [--replay-version N | --replay-timestamp ISO]
+                                                     train on a stored run's trajectories, no engines
+    sluiceway eval [CONFIG.yaml] --hf-checkpoint M --eval-prompt-data ...   evaluate a model, no training
     sluiceway config [CONFIG.yaml] [flags]           print the resolved config as YAML
     sluiceway models                                 list the model zoo
     sluiceway engine --model NAME_OR_DIR [--port N]  serve the embedded engine (SGLang's HTTP API)
+    sluiceway server [--port 4200]                   a Prefect server and its UI on loopback
+    sluiceway serve [CONFIG.yaml] [flags] [--cron X]  deployments of the flows (flows/deploy.py)
 
 Every config field is a flag named after it (`rollout_batch_size` -> `--rollout-batch-size`), which gives
 slime's names for the fields slime has. A user mistake prints one line and exits 2, never a traceback.
@@ -66,11 +72,31 @@ def _add_field_arguments(parser: argparse.ArgumentParser) -> None:
 def make_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="sluiceway", description="Durable RL post-training for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for cmd, help_ in (("run", "run the RL loop"), ("config", "print the resolved config as YAML")):
+    for cmd, help_ in (
+        ("run", "run the RL loop"),
+        ("sft", "supervised fine-tuning on a data file (slime's SFT format)"),
+        ("replay", "train on a stored run's trajectories at a table version, with no engine running"),
+        ("eval", "evaluate a model (zoo name, HF directory, or a run's weights) on the eval sets"),
+        ("config", "print the resolved config as YAML"),
+    ):
         p = sub.add_parser(cmd, help=help_)
         p.add_argument("config_file", nargs="?", help="YAML run config (flags override it)")
         _add_field_arguments(p)
     sub.add_parser("models", help="list the model zoo")
+    srv = sub.add_parser("server", help="run a Prefect server and its UI on loopback, home inside the project")
+    srv.add_argument("--host", default="127.0.0.1", help="listen address (default loopback only)")
+    srv.add_argument("--port", type=int, default=4200)
+    srv.add_argument("--home", default=".sluiceway/prefect", help="PREFECT_HOME: the server's database and settings")
+    dep = sub.add_parser("serve", help="register deployments of the flows; their parameter form is the run config")
+    dep.add_argument("config_file", nargs="?", help="YAML run config: the deployments' default parameters")
+    dep.add_argument("--name", default="default", help="deployment name (sluiceway-rl/NAME, sluiceway-sft/NAME)")
+    dep.add_argument("--cron", default=None, help="schedule: a cron expression, e.g. '0 3 * * *'")
+    dep.add_argument("--interval", type=float, default=None, help="schedule: every this many seconds")
+    dep.add_argument("--pool", default=None, help="register on this Prefect work pool and exit (else serve here)")
+    dep.add_argument("--flow", action="append", default=None, help="only this flow (rl, sft, eval, replay; repeatable)")
+    dep.add_argument("--api-url", default=None, help="the Prefect API (default $PREFECT_API_URL or 127.0.0.1:4200)")
+    dep.add_argument("--home", default=".sluiceway/prefect", help="PREFECT_HOME of this client process")
+    _add_field_arguments(dep)
     rep = sub.add_parser("report", help="a run's per-step metrics as a markdown table")
     rep.add_argument("output_dir", help="the run's --output-dir")
     rep.add_argument("--run-id", default=None, help="default: the output directory's name")
@@ -87,10 +113,21 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# A command's own defaults, which the YAML and the flags override: replay corrects for its stored behaviour
+# policy with truncated importance sampling (flows/replay.py says why).
+COMMAND_DEFAULTS = {"replay": {("algorithm", "use_tis"): True}}
+
+
 def resolve_config(args: argparse.Namespace) -> RunConfig:
     base = load_yaml(args.config_file) if args.config_file else {}
     overrides = {tuple(k.split(".", 1)): v for k, v in vars(args).items() if "." in k}
-    return build_config(base, overrides, source=args.config_file or "flags")
+    command = getattr(args, "command", "run")
+    for (group, field), value in COMMAND_DEFAULTS.get(command, {}).items():
+        in_yaml = isinstance(base.get(group), dict) and field in base[group]
+        if (group, field) not in overrides and not in_yaml:
+            overrides[(group, field)] = value
+    checked = command if command in ("replay", "eval") else "run"  # whose invariants apply
+    return build_config(base, overrides, source=args.config_file or "flags", command=checked)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,12 +160,36 @@ def main(argv: list[str] | None = None) -> int:
                 seed=args.seed,
             )
             return 0
+        if args.command == "server":
+            from sluiceway.flows.deploy import run_server
+
+            return run_server(args.host, args.port, args.home)
+        if args.command == "serve":
+            from sluiceway.flows.deploy import serve
+
+            given = args.config_file or any("." in k for k in vars(args))
+            base = resolve_config(args).model_dump(mode="json") if given else None
+            serve(base, name=args.name, cron=args.cron, interval=args.interval, pool=args.pool,
+                  api_url=args.api_url, home=args.home, only=args.flow)  # fmt: skip
+            return 0
         if args.command == "report":
             from sluiceway.flows.report import render
 
             print(render(args.output_dir, args.run_id, args.storage_uri), end="")
             return 0
+        if args.command == "sft":
+            vars(args).setdefault("algorithm.loss_type", "sft_loss")  # what makes the config an SFT one
         cfg = resolve_config(args)
+        if args.command == "sft":
+            from sluiceway.flows.run import run_sft
+
+            run_sft(cfg)
+            return 0
+        if args.command in ("replay", "eval"):
+            from sluiceway.flows.run import run_eval, run_replay
+
+            (run_replay if args.command == "replay" else run_eval)(cfg)
+            return 0
         if args.command == "config":
             print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
             return 0

@@ -7,11 +7,12 @@ is generated from these models (see ``flows/cli.py``).
 
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
 from sluiceway.flows.errors import UserError
 
@@ -25,8 +26,19 @@ class ResourcesConfig(_Group):
     device: Literal["cpu", "cuda"] = Field(
         "cpu", description="Where the trainer runs (embedded engines run on the CPU)."
     )
+    actor_num_gpus_per_node: int = Field(
+        1,
+        ge=1,
+        description="Trainer processes (one per GPU; on CPU, gloo processes). Above 1 the trainer is a torchrun "
+        "group the flow drives step after step; data parallel size = this / tensor_model_parallel_size.",
+    )
+    trainer_launcher: Literal["auto", "in_process", "torchrun"] = Field(
+        "auto",
+        description="Where the trainer runs: in the flow's process, or a torchrun group. auto: in process "
+        "for one process, torchrun above.",
+    )
     tensor_model_parallel_size: int = Field(1, ge=1, description="Megatron tensor parallel size.")
-    pipeline_model_parallel_size: int = Field(1, ge=1, description="Megatron pipeline parallel size.")
+    pipeline_model_parallel_size: int = Field(1, ge=1, description="Megatron pipeline parallel size (only 1 yet).")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice).")
 
 
@@ -38,6 +50,13 @@ class DataConfig(_Group):
     input_key: str = Field("input", description="Field holding the prompt: plain text or a list of chat messages.")
     label_key: str | None = Field("label", description="Field holding the reference answer.")
     metadata_key: str = Field("metadata", description="Optional field holding per-sample metadata (a dict).")
+    response_key: str | None = Field(
+        None,
+        description="SFT: field holding the response to the prompt under input_key. Unset: input_key holds "
+        "whole conversations (lists of messages) whose assistant turns are trained.",
+    )
+    sft_max_len: int = Field(2048, ge=2, description="SFT: most tokens per sample; longer ones are an error.")
+    sft_truncate: bool = Field(False, description="SFT: cut samples longer than sft_max_len instead of stopping.")
     apply_chat_template: bool = Field(False, description="Wrap prompts with the tokenizer's chat template.")
     system_prompt: str | None = Field(None, description="System message prepended when applying the chat template.")
     env_size: int = Field(512, ge=1, description="Number of prompts generated for an 'env:NAME' dataset.")
@@ -134,8 +153,13 @@ class RewardConfig(_Group):
 
 
 class AlgorithmConfig(_Group):
-    advantage_estimator: Literal["grpo", "dr_grpo", "gspo", "reinforce_plus_plus_baseline"] = Field(
-        "grpo", description="How rewards become per-token advantages."
+    advantage_estimator: Literal[
+        "grpo", "dr_grpo", "gspo", "reinforce_plus_plus_baseline", "ppo", "reinforce_plus_plus"
+    ] = Field(
+        "grpo",
+        description="How rewards become per-token advantages. Per sample, broadcast over the response: grpo, "
+        "dr_grpo, gspo, reinforce_plus_plus_baseline. Per token, whitened over the batch's response tokens: ppo "
+        "(GAE with a critic) and reinforce_plus_plus (discounted KL-shaped returns, no critic).",
     )
     normalize_advantages_by_std: bool = Field(True, description="GRPO: divide by the group's reward std.")
     eps_clip: float = Field(0.2, gt=0.0, description="PPO clip range (lower).")
@@ -156,11 +180,29 @@ class AlgorithmConfig(_Group):
     kl_loss_coef: float = Field(0.0, ge=0.0, description="Weight of the KL loss term.")
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = Field("low_var_kl", description="KL estimator.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Weight of the entropy bonus.")
+    kl_coef: float = Field(
+        0.0,
+        ge=0.0,
+        description="ppo / reinforce_plus_plus: reward-side KL, each response token's reward minus kl_coef x "
+        "KL(policy || reference) (estimator: kl_loss_type); 0 needs no reference model.",
+    )
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="ppo / reinforce_plus_plus: per-token discount.")
+    lambd: float = Field(1.0, ge=0.0, le=1.0, description="ppo: GAE lambda (1: Monte-Carlo returns minus values).")
+    value_clip: float | None = Field(
+        0.2, gt=0.0, description="ppo: clip of the critic's value change per rollout in the value loss (null: none)."
+    )
+    critic_lr: float | None = Field(None, gt=0.0, description="ppo: critic learning rate (default: lr).")
+    num_critic_only_steps: int = Field(
+        0, ge=0, description="ppo: the first N rollout steps train the critic only (the policy waits)."
+    )
     loss_agg_mode: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field(
         "token_mean",
         description="token_mean: every trained token weighs the same (DAPO); seq_mean_token_mean: "
         "every sequence weighs the same (the GRPO paper); seq_mean_token_sum_norm: token sums over the constant "
         "rollout_max_response_len (Dr. GRPO).",
+    )
+    loss_type: Literal["policy_loss", "sft_loss"] = Field(
+        "policy_loss", description="policy_loss: the RL objective (`sluiceway run`); sft_loss: `sluiceway sft`."
     )
 
 
@@ -168,6 +210,11 @@ class TrainingConfig(_Group):
     global_batch_size: int = Field(64, ge=1, description="Samples per optimizer step.")
     micro_batch_size: int = Field(16, ge=1, description="Samples per forward/backward pass.")
     num_steps_per_rollout: int = Field(1, ge=1, description="Optimizer steps per rollout step.")
+    num_epoch: int | None = Field(
+        None,
+        ge=1,
+        description="SFT: passes over the data set (default 1); steps = ceil(samples x num_epoch / global_batch_size).",
+    )
     lr: float = Field(1e-6, gt=0.0, description="Learning rate (AdamW).")
     lr_warmup_iters: int = Field(0, ge=0, description="Optimizer steps of linear warmup from 0 to lr.")
     lr_decay_style: Literal["constant", "linear", "cosine"] = Field("constant", description="LR after warmup.")
@@ -179,6 +226,12 @@ class TrainingConfig(_Group):
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
     adam_beta2: float = Field(0.98, ge=0.0, lt=1.0)
     clip_grad: float = Field(1.0, ge=0.0, description="Gradient norm clip (0 disables).")
+    max_tokens_per_gpu: int | None = Field(
+        None,
+        ge=1,
+        description="Pack samples into micro-batches of at most this many tokens (one row, samples kept apart by "
+        "the attention mask) instead of micro_batch_size samples each. A longer sample gets a row of its own.",
+    )
     bf16: bool = Field(False, description="bf16 autocast over fp32 master weights.")
     hf_checkpoint: str = Field(
         "tiny-llama", description="HF model directory, or a zoo name: 'smollm2-135m-instruct', 'tiny-llama'."
@@ -219,10 +272,47 @@ class EvalConfig(_Group):
     eval_size: int = Field(32, ge=1, description="Prompts evaluated (taken from the head of the eval data).")
 
 
+class ReplayConfig(_Group):
+    replay_run_id: str | None = Field(
+        None, description="`sluiceway replay`: the stored run whose trajectories are trained on again."
+    )
+    replay_tables: str | None = Field(
+        None,
+        description="`sluiceway replay`: where that run's tables are, a local path or s3://bucket/prefix "
+        "(default: this run's tables, storage_uri or OUTPUT_DIR/tables).",
+    )
+    replay_version: int | None = Field(
+        None, ge=0, description="`sluiceway replay`: the Delta version of the trajectories table to read (default: "
+        "the latest when the replay starts; a resumed replay keeps the version it started with).",
+    )
+    replay_timestamp: datetime | None = Field(
+        None,
+        description="`sluiceway replay`: read the trajectories table as of this time (ISO 8601, UTC when no zone "
+        "is given) instead of replay_version.",
+    )
+    replay_steps: list[int] | None = Field(
+        None, description="`sluiceway replay`: only these stored steps (default: every stored step, in order)."
+    )
+
+
 class LoggingConfig(_Group):
     run_id: str | None = Field(None, description="Run identifier (default: derived from output_dir's name).")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO")
     quiet: bool = Field(False, description="Print no per-step lines.")
+    tensorboard_dir: str | None = Field(
+        None, description="Where TensorBoard event files go (always written; default: OUTPUT_DIR/tensorboard)."
+    )
+    use_wandb: bool = Field(
+        False, description="Also log metrics to Weights & Biases (needs `pip install wandb`; key from WANDB_API_KEY)."
+    )
+    wandb_project: str | None = Field(None, description="wandb project (default: 'sluiceway').")
+    wandb_team: str | None = Field(None, description="wandb entity (team or user).")
+    wandb_group: str | None = Field(None, description="wandb run group.")
+    wandb_host: str | None = Field(None, description="wandb server URL, for a self-hosted server.")
+    wandb_mode: Literal["online", "offline", "disabled"] = Field(
+        "online", description="wandb mode: 'offline' writes under OUTPUT_DIR/wandb for a later `wandb sync`."
+    )
+    wandb_run_id: str | None = Field(None, description="wandb run id to resume (default: a new run).")
 
 
 class RunConfig(_Group):
@@ -235,6 +325,7 @@ class RunConfig(_Group):
     storage: StorageSettings = Field(default_factory=StorageSettings)
     sync: SyncConfig = Field(default_factory=SyncConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    replay: ReplayConfig = Field(default_factory=ReplayConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
     @property
@@ -246,8 +337,22 @@ class RunConfig(_Group):
         return list(zip(items[0::2], items[1::2]))
 
     @model_validator(mode="after")
-    def _check_invariants(self) -> RunConfig:
+    def _check_invariants(self, info: ValidationInfo) -> RunConfig:
         r, t = self.rollout, self.training
+        if self.algorithm.loss_type == "sft_loss":
+            return self._check_sft_invariants()  # the rollout and reward settings play no part in SFT
+        # Which command the config is for (validation context, see validate_for): replay trains from a stored
+        # table and eval only samples, so neither needs prompt_data.
+        command = (info.context or {}).get("command", "run")
+        rp = self.replay
+        if rp.replay_version is not None and rp.replay_timestamp is not None:
+            raise ValueError("replay_version and replay_timestamp both pick the table version: give one")
+        if command == "replay" and not rp.replay_run_id:
+            raise ValueError("replay needs replay_run_id (--replay-run-id RUN: the stored run to train from)")
+        if command == "eval" and not self.eval.eval_prompt_data:
+            raise ValueError("eval needs eval_prompt_data (--eval-prompt-data FILE or env:NAME, or NAME SOURCE pairs)")
+        if t.num_epoch is not None or self.data.response_key is not None:
+            raise ValueError("num_epoch and response_key apply to `sluiceway sft` only; RL runs num_rollout steps")
         produced = r.rollout_batch_size * r.n_samples_per_prompt
         consumed = t.global_batch_size * t.num_steps_per_rollout
         if produced != consumed:
@@ -263,6 +368,20 @@ class RunConfig(_Group):
             )
         if self.algorithm.advantage_estimator in ("grpo", "dr_grpo", "gspo") and r.n_samples_per_prompt < 2:
             raise ValueError("GRPO needs n_samples_per_prompt >= 2 (advantages are relative to the group)")
+        a = self.algorithm
+        token_level = a.advantage_estimator in ("ppo", "reinforce_plus_plus")
+        if a.kl_coef > 0 and not token_level:
+            raise ValueError(
+                f"kl_coef (reward-side KL) applies to ppo and reinforce_plus_plus, not {a.advantage_estimator}:"
+                " use --use-kl-loss --kl-loss-coef"
+            )
+        if a.advantage_estimator != "ppo" and (a.critic_lr is not None or a.num_critic_only_steps):
+            raise ValueError("critic_lr and num_critic_only_steps need advantage_estimator ppo (the only critic)")
+        if a.num_critic_only_steps >= r.num_rollout:
+            raise ValueError(
+                f"num_critic_only_steps ({a.num_critic_only_steps}) must be < num_rollout ({r.num_rollout}),"
+                " else the policy never trains"
+            )
         if self.algorithm.use_kl_loss and self.algorithm.kl_loss_coef == 0.0:
             raise ValueError("use_kl_loss is set but kl_loss_coef is 0: set --kl-loss-coef")
         if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
@@ -276,13 +395,10 @@ class RunConfig(_Group):
             raise ValueError("partial_rollout cannot continue custom (multi-turn) generations: use one or the other")
         if r.rollout_num_engines == 0 and not r.rollout_external_engine_addrs:
             raise ValueError("no engines: set rollout_num_engines >= 1 or rollout_external_engine_addrs")
-        res = self.resources
-        if res.tensor_model_parallel_size > 1 or res.pipeline_model_parallel_size > 1:
-            # models/megatron_gpt.py supports TP (tested over gloo); the loop has no multi-rank launcher yet.
-            raise ValueError("tensor/pipeline parallel sizes > 1 need the multi-rank trainer, not available yet")
-        if self.data.prompt_data is None:
+        self._check_parallel()
+        if self.data.prompt_data is None and command == "run":
             raise ValueError("data.prompt_data is required (--prompt-data FILE or env:NAME)")
-        if self.data.adaptive_difficulty and not self.data.prompt_data.startswith("env:"):
+        if self.data.adaptive_difficulty and not (self.data.prompt_data or "").startswith("env:"):
             raise ValueError("adaptive_difficulty needs an environment as prompt_data (env:NAME or env:mix(...))")
         ev = self.eval.eval_prompt_data or []
         if len(ev) > 1 and len(ev) % 2:
@@ -292,6 +408,38 @@ class RunConfig(_Group):
         if self.eval.eval_interval and not self.eval.eval_prompt_data:
             raise ValueError("eval_interval is set but eval_prompt_data is not (--eval-prompt-data FILE or env:NAME)")
         return self
+
+    def _check_sft_invariants(self) -> RunConfig:
+        t, d = self.training, self.data
+        if t.global_batch_size % t.micro_batch_size:
+            raise ValueError(
+                f"global_batch_size ({t.global_batch_size}) must be a multiple of micro_batch_size"
+                f" ({t.micro_batch_size})"
+            )
+        if d.prompt_data is None or d.prompt_data.startswith("env:"):
+            raise ValueError("SFT needs a JSONL or Parquet data file (--prompt-data FILE)")
+        self._check_parallel()
+        if self.algorithm.use_kl_loss or self.eval.eval_interval:
+            raise ValueError("SFT has no KL loss and no evaluation yet: unset use_kl_loss and eval_interval")
+        return self
+
+    def _check_parallel(self) -> None:
+        res, t = self.resources, self.training
+        if res.pipeline_model_parallel_size > 1:
+            raise ValueError("pipeline_model_parallel_size > 1 is not supported yet (tensor and data parallel are)")
+        world, tp = res.actor_num_gpus_per_node, res.tensor_model_parallel_size
+        if world % tp:
+            raise ValueError(
+                f"actor_num_gpus_per_node ({world}) must be a multiple of tensor_model_parallel_size ({tp})"
+            )
+        if world > 1 and res.trainer_launcher == "in_process":
+            raise ValueError("trainer_launcher in_process runs one process: set actor_num_gpus_per_node 1")
+        dp = world // tp
+        if dp > 1 and not t.max_tokens_per_gpu and t.global_batch_size % (t.micro_batch_size * dp):
+            raise ValueError(
+                f"global_batch_size ({t.global_batch_size}) must be a multiple of micro_batch_size x data parallel"
+                f" size ({t.micro_batch_size} x {dp}), so every data-parallel rank gets whole micro-batches"
+            )
 
     @property
     def run_id(self) -> str:
@@ -329,8 +477,16 @@ def load_yaml(path: str | Path) -> dict:
     return data
 
 
-def build_config(base: dict, overrides: dict[tuple[str, str], object], source: str = "config") -> RunConfig:
-    """Merge CLI overrides (group, field) -> value into a YAML dict and validate once."""
+def validate_for(config: RunConfig | dict, command: str) -> RunConfig:
+    """`config` checked with the invariants of `command`: run (the default), replay or eval."""
+    data = config.model_dump(mode="json") if isinstance(config, RunConfig) else config
+    return RunConfig.model_validate(data, context={"command": command})
+
+
+def build_config(
+    base: dict, overrides: dict[tuple[str, str], object], source: str = "config", command: str = "run"
+) -> RunConfig:
+    """Merge CLI overrides (group, field) -> value into a YAML dict and validate once, for `command`."""
     merged = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
     for (group, field), value in overrides.items():
         merged.setdefault(group, {})
@@ -338,6 +494,6 @@ def build_config(base: dict, overrides: dict[tuple[str, str], object], source: s
             raise UserError(f"{source}: '{group}' must be a mapping")
         merged[group][field] = value
     try:
-        return RunConfig.model_validate(merged)
+        return RunConfig.model_validate(merged, context={"command": command})
     except ValidationError as e:
         raise UserError(format_validation_error(e, source)) from None

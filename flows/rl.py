@@ -16,7 +16,9 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from sluiceway.flows import runtime
+from sluiceway.flows.artifacts import RunArtifacts
 from sluiceway.flows.config import RunConfig
+from sluiceway.flows.logging_backends import MetricLoggers
 from sluiceway.storage.metrics import append_metrics
 from sluiceway.storage.trajectories import read_trajectories
 from sluiceway.tasks.evaluate.evaluate import evaluate
@@ -92,12 +94,11 @@ def sync_task(run_id: str, step: int) -> dict:
     path = rt.sync_weights()
     interval = rt.cfg.training.save_interval
     saved = bool(interval and ((step + 1) % interval == 0 or step + 1 == rt.cfg.rollout.num_rollout))
-    if saved:
-        rt.trainer.save(rt.checkpoint_path, step)
+    checkpoint = rt.save_checkpoint(step) if saved else None
     return {
         "weight_version": rt.trainer.weight_version,
         "weights": str(path),
-        "checkpoint": str(rt.checkpoint_path) if saved else None,
+        "checkpoint": checkpoint,
     }
 
 
@@ -136,21 +137,29 @@ def format_step(step: int, total: int, m: dict, seconds: float) -> str:
 
 
 @flow(name="sluiceway-rl", log_prints=False)
-def rl_flow(config: dict) -> dict:
-    """Run `config` (a RunConfig as a dict: no secrets are in it) from its last checkpoint to the end."""
+def rl_flow(config: RunConfig) -> dict:
+    """Run `config` (a RunConfig or its dict: no secrets are in it) from its last checkpoint to the end.
+
+    Typed as the pydantic model so a deployment's parameter form in the Prefect UI is the run config.
+    """
     cfg = RunConfig.model_validate(config)
     rt = runtime.Runtime.create(cfg, runtime.take_prepared(cfg.run_id))
     runtime.register(rt)
     history = []
+    loggers = None
+    arts = RunArtifacts(cfg, cfg.rollout.num_rollout)
     try:
+        loggers = MetricLoggers.open(cfg)  # TensorBoard always, wandb when asked
         start = rt.resume()
+        arts.start(start)
         total = cfg.rollout.num_rollout
         interval = cfg.eval.eval_interval
         if interval and start == 0:
-            eval_task(cfg.run_id, 0)  # the baseline
+            loggers.log(0, eval_task(cfg.run_id, 0))  # the baseline
         for step in range(start, total):
             t0 = time.perf_counter()
             roll = rollout_task(cfg.run_id, step)
+            arts.progress(step + 0.5)
             rew = reward_task(cfg.run_id, step)
             kept = filter_task(cfg.run_id, step)
             m = train_task(cfg.run_id, step)
@@ -168,11 +177,16 @@ def rl_flow(config: dict) -> dict:
             )
             append_metrics(rt.store, cfg.run_id, step, m, tag="train")
             history.append(m)
+            loggers.log(step, m)
+            arts.progress(step + 1)
             if not cfg.logging.quiet:
                 print(format_step(step, total, m, m["time/step_s"]), flush=True)
             if interval and ((step + 1) % interval == 0 or step + 1 == total):
-                eval_task(cfg.run_id, step + 1)
+                loggers.log(step + 1, eval_task(cfg.run_id, step + 1))
     finally:
+        arts.finish(rt.store)
+        if loggers is not None:
+            loggers.close()
         runtime.unregister(cfg.run_id)
         rt.close()
     return {

@@ -1,4 +1,4 @@
-"""Entry point behind `sluiceway run`: configure embedded Prefect inside the run directory, then run the flow."""
+"""Entry points behind `sluiceway run` and `sluiceway sft`: embedded Prefect in the run directory, then the flow."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from sluiceway.flows.config import RunConfig
 from sluiceway.infra.prefect_env import configure_prefect
 
 
-def run(cfg: RunConfig) -> dict:
+def _configure(cfg: RunConfig) -> None:
     configure_prefect(cfg.storage.output_dir)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is fetched from a hub at run time
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -17,6 +17,10 @@ def run(cfg: RunConfig) -> dict:
     # Libraries (httpx, megatron) log at INFO; only sluiceway's own logger follows --log-level.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("sluiceway").setLevel(cfg.logging.log_level)
+
+
+def run(cfg: RunConfig) -> dict:
+    _configure(cfg)
     from sluiceway.flows.rl import rl_flow  # imported after Prefect's settings are in the environment
     from sluiceway.flows.runtime import hand_over, prepare
 
@@ -30,4 +34,46 @@ def run(cfg: RunConfig) -> dict:
             f"done: {result['steps']} steps, weight version {result['final_weight_version']}, "
             f"tables at {result['tables']}"
         )
+    return result
+
+
+def run_sft(cfg: RunConfig) -> dict:
+    """`sluiceway sft`: the same set-up, a preflight that imports and tokenizes the data, then the SFT flow."""
+    _configure(cfg)
+    from sluiceway.flows.sft import hand_over, prepare_sft, sft_flow  # after Prefect's settings are set
+
+    hand_over(cfg, prepare_sft(cfg))
+    result = sft_flow(cfg.model_dump(mode="json"))
+    if not cfg.logging.quiet:
+        print(
+            f"done: {result['steps']} steps ({result['total_steps']} in the run, {result['samples']} samples), "
+            f"weights at {result['weights']}"
+        )
+    return result
+
+
+def run_replay(cfg: RunConfig) -> dict:
+    """`sluiceway replay`: pin and check the stored table version first (one-line errors), then the replay flow."""
+    _configure(cfg)
+    from sluiceway.flows.replay import hand_over, prepare_replay, replay_flow  # after Prefect's settings are set
+
+    hand_over(cfg, prepare_replay(cfg))
+    result = replay_flow(cfg.model_dump(mode="json"))
+    if not cfg.logging.quiet:
+        print(
+            f"done: replayed {result['steps']} steps ({result['total_steps']} in {result['source']}), "
+            f"weights at {result['weights']}"
+        )
+    return result
+
+
+def run_eval(cfg: RunConfig) -> dict:
+    """`sluiceway eval`: resolve the model and the eval sets first (one-line errors), then the eval flow."""
+    _configure(cfg)
+    from sluiceway.flows.eval import eval_flow, hand_over, prepare_eval  # after Prefect's settings are set
+
+    hand_over(cfg, prepare_eval(cfg))
+    result = eval_flow(cfg.model_dump(mode="json"))
+    if not cfg.logging.quiet:
+        print(f"done: evaluated {result['model']}, metrics at step {result['step']} in {result['tables']}")
     return result

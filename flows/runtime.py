@@ -8,6 +8,7 @@ is in the tables or the run directory, which is what a restarted run resumes fro
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from sluiceway.flows.errors import UserError
 from sluiceway.infra.sglang_launcher import require_sglang
 from sluiceway.models.chat import encode_prompt, render_prompt
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
+from sluiceway.storage.checkpoints import download_checkpoint, latest_checkpoint_step, upload_checkpoint
 from sluiceway.storage.datasets import import_prompts, import_records, load_prompts
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.tasks.environments import generate_env
@@ -30,7 +32,8 @@ from sluiceway.tasks.reward.score import RewardSettings
 from sluiceway.tasks.reward.scorers import get_scorer, remote_group_scorer
 from sluiceway.tasks.rollout.multiturn import load_custom_generate
 from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings
-from sluiceway.tasks.sync.disk import write_weight_version
+from sluiceway.tasks.train.launch import build_trainer
+from sluiceway.tasks.train.remote import RemoteTrainer
 from sluiceway.tasks.train.trainer import PolicyTrainer
 
 log = logging.getLogger("sluiceway")
@@ -115,14 +118,7 @@ class Prepared:
     adaptive: AdaptivePromptSource | None  # prompts generated per step at adaptive difficulty
 
 
-def prepare(cfg: RunConfig) -> Prepared:
-    if cfg.rollout.rollout_engine == "sglang":
-        require_sglang()
-    if cfg.resources.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA device is available (use --device cpu)")
-    if cfg.resources.num_threads:
-        torch.set_num_threads(cfg.resources.num_threads)
-    store = ObjectStore.from_uri(cfg.tables_uri, cfg.storage.s3_endpoint_url, cfg.storage.s3_region)
+def build_reward_settings(cfg: RunConfig) -> RewardSettings:
     rw = cfg.reward
     if rw.group_rm and not rw.custom_rm_path:
         raise UserError("--group-rm needs --custom-rm-path (a function scoring a whole group)")
@@ -132,27 +128,12 @@ def prepare(cfg: RunConfig) -> Prepared:
         scorer, group_rm = get_scorer(rw.rm_type, rw.custom_rm_path), rw.group_rm
     # The remote model retries within its own deadline; the stage's limit covers a whole group's batch.
     timeout = rw.reward_timeout_s * 4 if rw.rm_type == "remote" else rw.reward_timeout_s
-    reward_settings = RewardSettings(
-        scorer, timeout, group_rm, rw.reward_key, rw.length_penalty_budget, rw.length_penalty_window
-    )
-    rollout_filter = None
-    if cfg.rollout.dynamic_sampling_filter_path:
-        rollout_filter = scoring_filter(reward_settings, [user_filter(cfg.rollout.dynamic_sampling_filter_path)])
-    rows = load_dataset(cfg, store, cfg.data.prompt_data, cfg.data.env_size, cfg.training.seed)
-    if len(rows) == 0:
-        raise UserError(f"--prompt-data {cfg.data.prompt_data}: no prompts")
-    eval_rows: dict[str, list[dict]] = {}
-    if cfg.eval.eval_interval:
-        # A generated eval set uses another seed than the training set, so it holds other problems.
-        e = cfg.eval
-        for name, source in cfg.eval_sets:
-            eval_rows[name] = load_dataset(cfg, store, source, e.eval_size, cfg.training.seed + 1)[: e.eval_size]
-    hf_dir = resolve_checkpoint(cfg.training.hf_checkpoint)
-    tokenizer = load_tokenizer(hf_dir)
-    prompts = render_items(cfg, tokenizer, rows)
-    eval_prompts = {name: render_items(cfg, tokenizer, rows) for name, rows in eval_rows.items()}
+    return RewardSettings(scorer, timeout, group_rm, rw.reward_key, rw.length_penalty_budget, rw.length_penalty_window)
+
+
+def build_rollout_settings(cfg: RunConfig, tokenizer, hf_dir: Path) -> RolloutSettings:
     r = cfg.rollout
-    settings = RolloutSettings(
+    return RolloutSettings(
         n_samples=r.n_samples_per_prompt, max_new_tokens=r.rollout_max_response_len,
         temperature=r.rollout_temperature, top_p=r.rollout_top_p, stop_token_ids=stop_token_ids(tokenizer, hf_dir),
         seed=cfg.training.seed, groups_needed=r.rollout_batch_size,
@@ -161,6 +142,38 @@ def prepare(cfg: RunConfig) -> Prepared:
         custom_generate=load_custom_generate(r.custom_generate_function_path) if r.custom_generate_function_path
         else None, tokenizer=tokenizer,
     )  # fmt: skip
+
+
+def load_eval_prompts(cfg: RunConfig, store: ObjectStore, tokenizer) -> dict[str, list[PromptItem]]:
+    """Evaluation set name -> its first eval_size prompts, rendered like the training prompts."""
+    e, out = cfg.eval, {}
+    for name, source in cfg.eval_sets:
+        # A generated eval set uses another seed than the training set, so it holds other problems.
+        rows = load_dataset(cfg, store, source, e.eval_size, cfg.training.seed + 1)[: e.eval_size]
+        out[name] = render_items(cfg, tokenizer, rows)
+    return out
+
+
+def prepare(cfg: RunConfig) -> Prepared:
+    if cfg.rollout.rollout_engine == "sglang":
+        require_sglang()
+    if cfg.resources.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available (use --device cpu)")
+    if cfg.resources.num_threads:
+        torch.set_num_threads(cfg.resources.num_threads)
+    store = ObjectStore.from_uri(cfg.tables_uri, cfg.storage.s3_endpoint_url, cfg.storage.s3_region)
+    reward_settings = build_reward_settings(cfg)
+    rollout_filter = None
+    if cfg.rollout.dynamic_sampling_filter_path:
+        rollout_filter = scoring_filter(reward_settings, [user_filter(cfg.rollout.dynamic_sampling_filter_path)])
+    rows = load_dataset(cfg, store, cfg.data.prompt_data, cfg.data.env_size, cfg.training.seed)
+    if len(rows) == 0:
+        raise UserError(f"--prompt-data {cfg.data.prompt_data}: no prompts")
+    hf_dir = resolve_checkpoint(cfg.training.hf_checkpoint)
+    tokenizer = load_tokenizer(hf_dir)
+    prompts = render_items(cfg, tokenizer, rows)
+    eval_prompts = load_eval_prompts(cfg, store, tokenizer) if cfg.eval.eval_interval else {}
+    settings = build_rollout_settings(cfg, tokenizer, hf_dir)
     adaptive = None
     if cfg.data.adaptive_difficulty:
         d = cfg.data
@@ -186,7 +199,7 @@ class Runtime:
     run_dir: Path
     prep: Prepared
     engines: RolloutEngines
-    trainer: PolicyTrainer
+    trainer: PolicyTrainer | RemoteTrainer
 
     # Shortcuts used by the stages.
     store = property(lambda self: self.prep.store)
@@ -196,7 +209,7 @@ class Runtime:
 
     @property
     def checkpoint_path(self) -> Path:
-        return self.run_dir / "checkpoints" / "latest.pt"
+        return self.run_dir / "checkpoints" / "latest"
 
     @classmethod
     def create(cls, cfg: RunConfig, prep: Prepared | None = None) -> Runtime:
@@ -205,39 +218,49 @@ class Runtime:
         prep = prep or prepare(cfg)
         tok = prep.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        device = torch.device(cfg.resources.device)
-        trainer = PolicyTrainer(
-            prep.hf_dir,
-            cfg.training,
-            cfg.algorithm,
-            cfg.rollout.rollout_temperature,
-            pad,
-            device=device,
-            total_iters=cfg.rollout.num_rollout * cfg.training.num_steps_per_rollout,
-            max_response_len=cfg.rollout.rollout_max_response_len,
-        )
-        engines = RolloutEngines(cfg, prep.hf_dir, run_dir)
+        total_iters = cfg.rollout.num_rollout * cfg.training.num_steps_per_rollout
+        trainer = build_trainer(cfg, prep.hf_dir, pad, run_dir / "trainer", total_iters)
+        try:
+            engines = RolloutEngines(cfg, prep.hf_dir, run_dir)
+        except BaseException:
+            _close_trainer(trainer)
+            raise
         return cls(cfg, run_dir, prep, engines, trainer)
 
     def close(self) -> None:
         self.engines.close()
+        _close_trainer(self.trainer)
 
     def sync_weights(self) -> Path:
         """Publish the trainer's current weights as a model directory and load it on every engine."""
-        path = write_weight_version(
-            self.trainer.hf_state_dict(include_tied_lm_head=False),
-            self.prep.hf_dir,
-            self.run_dir / "weights",
-            self.trainer.weight_version,
-        )
+        path = self.trainer.write_weights(self.prep.hf_dir, self.run_dir / "weights")
         self.engines.update_weights(path, self.trainer.weight_version)
         return path
 
     def decode(self, ids: list[int]) -> str:
         return self.prep.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def save_checkpoint(self, step: int) -> str:
+        """Checkpoint the trainer after `step`; with a storage_uri the checkpoint also goes to the object store."""
+        self.trainer.save(self.checkpoint_path, step)
+        if self.cfg.storage.storage_uri:
+            return upload_checkpoint(self.store, self.cfg.run_id, self.checkpoint_path, step)
+        return str(self.checkpoint_path)
+
+    def _fetch_newer_checkpoint(self) -> None:
+        """A run resumed elsewhere (or after losing its disk) takes the object store's checkpoint if it is newer."""
+        if not self.cfg.storage.storage_uri:
+            return
+        remote = latest_checkpoint_step(self.store, self.cfg.run_id)
+        meta = self.checkpoint_path / "meta.json"
+        local = json.loads(meta.read_text())["step"] if meta.exists() else None
+        if remote is not None and (local is None or remote > local):
+            download_checkpoint(self.store, self.cfg.run_id, self.checkpoint_path)
+            log.info("fetched the step %d checkpoint from the object store", remote)
+
     def resume(self) -> int:
         """Load the latest checkpoint, if any; return the first step still to train."""
+        self._fetch_newer_checkpoint()
         if not self.checkpoint_path.exists():
             return 0
         step = self.trainer.load(self.checkpoint_path)
@@ -246,6 +269,11 @@ class Runtime:
             "resumed from %s (step %d, weight version %d)", self.checkpoint_path, step, self.trainer.weight_version
         )
         return step + 1
+
+
+def _close_trainer(trainer: PolicyTrainer | RemoteTrainer) -> None:
+    if isinstance(trainer, RemoteTrainer):  # an in-process trainer goes with the process
+        trainer.close()
 
 
 _RUNTIMES: dict[str, Runtime] = {}

@@ -27,6 +27,7 @@ from typing import Self
 
 import httpx
 
+from sluiceway.infra.proc import die_with_parent
 from sluiceway.infra.router import HOST, SGLangRouter, free_port, log_tail, stop_process_group
 
 
@@ -122,6 +123,7 @@ class EnginePool:
                 stdin=subprocess.DEVNULL,
                 env={**self._engine_env(), **extra_env},
                 start_new_session=True,  # own process group: stop()/kill() reach its children too
+                preexec_fn=die_with_parent,  # a SIGKILLed flow leaves no engines behind
             )
         return Engine(url=f"http://{HOST}:{port}", process=proc, log_path=log_path)
 

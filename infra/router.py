@@ -71,6 +71,8 @@ from typing import Self
 
 import httpx
 
+from sluiceway.infra.proc import die_with_parent
+
 HOST = "127.0.0.1"
 # power_of_two is left out: 0.3.2 refuses to start it with fewer than 2 workers, and we start empty.
 POLICIES = ("round_robin", "cache_aware", "random")
@@ -184,6 +186,7 @@ class SGLangRouter:
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,  # its own process group, so stop() takes everything it spawned
+                    preexec_fn=die_with_parent,  # a SIGKILLed flow leaves no engines behind
                 )
             self.port = port
             atexit.register(self.stop)

@@ -458,11 +458,24 @@ def allreduce_gradients(model: torch.nn.Module, group: Any = None, average: bool
 # --------------------------------------------------------------------------------------------------------------
 
 
-def gpt_logits(model: GPTModel, input_ids: Tensor) -> Tensor:
-    """Logits [b, s, vocab / tp] (this rank's vocab shard under TP), causal, no padding mask needed."""
+def gpt_logits(model: GPTModel, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    """Logits [b, s, vocab / tp] (this rank's vocab shard under TP), causal, no padding mask needed.
+
+    `attention_mask` ([b, 1, s, s], True where attention is forbidden) is only for packed rows (see
+    `packed_attention_mask`); causal masking is always applied on top of it.
+    """
     b, s = input_ids.shape
     position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
-    return model(input_ids, position_ids, attention_mask=None)
+    return model(input_ids, position_ids, attention_mask=attention_mask)
+
+
+def packed_attention_mask(segment_ids: Tensor) -> Tensor:
+    """[b, 1, s, s] mask forbidding attention across the samples packed into one row (True = forbidden).
+
+    `segment_ids` [b, s] numbers the samples of each row. Positions keep counting across a row: RoPE scores
+    depend only on the distance between query and key, so a sample at an offset attends exactly as it would alone.
+    """
+    return (segment_ids.unsqueeze(-1) != segment_ids.unsqueeze(-2)).unsqueeze(1)
 
 
 class _EntropyFromLogProbs(torch.autograd.Function):
@@ -517,7 +530,7 @@ class _LocalSoftmaxStats(torch.autograd.Function):
 
 
 def _shifted_logprobs(
-    model: GPTModel, input_ids: Tensor, temperature: float, with_entropy: bool
+    model: GPTModel, input_ids: Tensor, temperature: float, with_entropy: bool, attention_mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """log p(input_ids[:, t+1]) and entropy at t from the model's (possibly vocab-parallel) logits [b, s, v_local].
 
@@ -525,7 +538,7 @@ def _shifted_logprobs(
     dropped as soon as the next is made. Under autograd exactly one full-vocab fp32 tensor stays saved for
     backward (log_softmax's output at TP=1, the shifted logits under TP); the entropy reuses it.
     """
-    logits = gpt_logits(model, input_ids)[:, :-1]
+    logits = gpt_logits(model, input_ids, attention_mask)[:, :-1]
     if logits.dtype != torch.float32:
         logits = logits.float()  # the low-precision copy is freed on rebinding (ToCopyBackward saves nothing)
     if temperature != 1.0:
@@ -564,22 +577,26 @@ def _shifted_logprobs(
     return logp, entropy
 
 
-def token_logprobs(model: GPTModel, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
+def token_logprobs(
+    model: GPTModel, input_ids: Tensor, temperature: float = 1.0, attention_mask: Tensor | None = None
+) -> Tensor:
     """log p(input_ids[:, t+1] | input_ids[:, :t+1]) as fp32 [b, s-1], from logits / temperature.
 
     Right padding is harmless: causal attention keeps valid positions independent of later pad tokens, so
     callers mask out the pad positions of the result. Differentiable (use under no_grad for inference).
     """
-    logp, _ = _shifted_logprobs(model, input_ids, temperature, with_entropy=False)
+    logp, _ = _shifted_logprobs(model, input_ids, temperature, with_entropy=False, attention_mask=attention_mask)
     return logp
 
 
-def token_logprobs_and_entropy(model: GPTModel, input_ids: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+def token_logprobs_and_entropy(
+    model: GPTModel, input_ids: Tensor, temperature: float = 1.0, attention_mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """(log-probs [b, s-1], entropy [b, s-1]) of the next-token distribution at logits / temperature, fp32.
 
     One log_softmax feeds both outputs; the entropy's backward recomputes exp from the saved log-probs, so only
     one full-vocab tensor is kept for backward (see `_shifted_logprobs`).
     """
-    logp, entropy = _shifted_logprobs(model, input_ids, temperature, with_entropy=True)
+    logp, entropy = _shifted_logprobs(model, input_ids, temperature, with_entropy=True, attention_mask=attention_mask)
     assert entropy is not None
     return logp, entropy

@@ -10,6 +10,7 @@ app_id are caught by Delta's conflict checker (concurrent transaction) rather th
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pyarrow as pa
@@ -20,6 +21,12 @@ from sluiceway.storage.object_store import ObjectStore
 
 # The version we record for an app_id: we only ever ask "has this batch been written", so 1 means "yes".
 _WRITTEN = 1
+
+
+# Writes from one process go one at a time: with asynchronous rollout, generation threads append and merge
+# while the flow's thread filters, and the check-then-append of an idempotent write must not interleave.
+# (Separate processes rely on Delta's optimistic commits.)
+WRITE_LOCK = threading.RLock()
 
 
 def table_exists(store: ObjectStore, name: str) -> bool:
@@ -96,7 +103,7 @@ def append_idempotent(
         raise ValueError("append_idempotent needs a non-empty app_id")
     uri = store.table_uri(name)
     commit = CommitProperties(app_transactions=[Transaction(app_id=app_id, version=_WRITTEN)])
-    with store.redacting():
+    with WRITE_LOCK, store.redacting():
         if table_exists(store, name):
             dt = open_table(store, name)
             if dt.transaction_version(app_id) is not None:

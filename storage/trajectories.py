@@ -16,6 +16,7 @@ import pyarrow.compute as pc
 
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.tables import (
+    WRITE_LOCK,
     append_idempotent,
     conform,
     open_table,
@@ -86,11 +87,14 @@ def append_trajectories(store: ObjectStore, rows: list[dict[str, Any]] | pa.Tabl
     return append_idempotent(store, TRAJECTORIES, table, app_id=app_id, partition_by=PARTITION_BY)
 
 
-def read_trajectories(store: ObjectStore, run_id: str, step: int | None = None) -> pa.Table:
-    """Samples of ``run_id`` (one step, or all), sorted by step, group, sample; typed as TRAJECTORY_SCHEMA."""
+def read_trajectories(
+    store: ObjectStore, run_id: str, step: int | None = None, version: int | None = None
+) -> pa.Table:
+    """Samples of ``run_id`` (one step, or all; at Delta ``version`` for time travel), sorted by step, group,
+    sample; typed as TRAJECTORY_SCHEMA."""
     if not table_exists(store, TRAJECTORIES):
         return TRAJECTORY_SCHEMA.empty_table()
-    table = read_table(store, TRAJECTORIES, filters=_partition_filter(run_id, step))
+    table = read_table(store, TRAJECTORIES, version=version, filters=_partition_filter(run_id, step))
     return table.select(TRAJECTORY_SCHEMA.names).cast(TRAJECTORY_SCHEMA).sort_by(SORT_KEYS)
 
 
@@ -140,8 +144,8 @@ def update_samples(
         "AND t.group_id = s.group_id AND t.sample_index = s.sample_index"
     )
     changed = " OR ".join(f"(t.{c} IS DISTINCT FROM s.{c})" for c in columns)
-    dt = open_table(store, TRAJECTORIES)
-    with store.redacting():
+    with WRITE_LOCK, store.redacting():
+        dt = open_table(store, TRAJECTORIES)
         metrics = (
             dt.merge(source, predicate=predicate, source_alias="s", target_alias="t")
             .when_matched_update(updates={c: f"s.{c}" for c in columns}, predicate=changed)

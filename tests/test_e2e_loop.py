@@ -136,7 +136,7 @@ def test_policy_weights_changed(finished_run):
     hf_dir = resolve_checkpoint("tiny-llama", cache_dir=cache)
     hf = load_hf_model(hf_dir)
     initial = hf_to_megatron(hf.state_dict(), hf.config)
-    trained = torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=False)
+    trained = torch.load(run_dir / "checkpoints" / "latest" / "tp0.pt", weights_only=False)
     assert trained["weight_version"] == 2 and trained["step"] == 1
     changed = [k for k, v in initial.items() if not torch.equal(v, trained["model"][k])]
     assert len(changed) >= len(initial) // 2, f"only {len(changed)} of {len(initial)} tensors changed"
@@ -149,6 +149,21 @@ def test_rerun_resumes_from_checkpoint_and_table(finished_run):
     table = read_trajectories(ObjectStore.from_uri(str(run_dir / "tables")), "run")
     assert table.num_rows == 3 * BATCH * N  # steps 0 and 1 were not generated again
     assert set(table.column("weight_version").to_pylist()) == {0, 1, 2}
+
+
+def test_loop_with_a_torchrun_trainer_group(tmp_path):
+    """TP=2 over two gloo ranks: one group serves every step of the run, checkpoints, and a re-run resumes."""
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    group = ("--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2")
+    proc = run_cli(run_dir, cache, "--num-rollout", "2", *group)
+    assert "step   2/2  reward" in proc.stdout
+    log = (run_dir / "trainer" / "trainer.log").read_text()
+    assert log.count("trainer group ready: 2 ranks, tensor parallel 2") == 1  # built once, not per step
+    assert sorted(p.name for p in (run_dir / "checkpoints" / "latest").iterdir()) == ["meta.json", "tp0.pt", "tp1.pt"]
+    proc = run_cli(run_dir, cache, "--num-rollout", "3", *group)
+    assert "step   2/3" not in proc.stdout and "step   3/3  reward" in proc.stdout
+    meta = json.loads((run_dir / "checkpoints" / "latest" / "meta.json").read_text())
+    assert meta == {"step": 2, "weight_version": 3, "tensor_parallel": 2}
 
 
 def test_tables_on_s3(tmp_path, s3_server):

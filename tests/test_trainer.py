@@ -83,9 +83,9 @@ def test_checkpoint_restores_weights_optimizer_and_version(tiny, tmp_path):
     path, tok = tiny
     a = make_trainer(path, tok, bf16=True)
     a.train_rollout(samples(tok, [1.0, -1.0, 1.0, -1.0]), step=0)
-    a.save(tmp_path / "ckpt.pt", step=0)
+    a.save(tmp_path / "ckpt", step=0)
     b = make_trainer(path, tok, bf16=True)
-    assert b.load(tmp_path / "ckpt.pt") == 0 and b.weight_version == 1
+    assert b.load(tmp_path / "ckpt") == 0 and b.weight_version == 1
     assert all(torch.equal(x, y) for x, y in zip(a.master, b.master))
     ma = a.train_rollout(samples(tok, [1.0, 1.0, -1.0, -1.0]), step=1)
     mb = b.train_rollout(samples(tok, [1.0, 1.0, -1.0, -1.0]), step=1)
@@ -135,10 +135,10 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(tiny, tmp_path, bf16):
     first = scheduled_trainer(path, tok, bf16)
     for step, b in enumerate(batches[:2]):
         first.train_rollout(b, step)
-    first.save(tmp_path / "ckpt.pt", step=1)
+    first.save(tmp_path / "ckpt", step=1)
     del first
     resumed = scheduled_trainer(path, tok, bf16)
-    start = resumed.load(tmp_path / "ckpt.pt") + 1
+    start = resumed.load(tmp_path / "ckpt") + 1
     for step, b in enumerate(batches[start:], start=start):
         resumed.train_rollout(b, step)
     assert resumed.weight_version == straight.weight_version == 4

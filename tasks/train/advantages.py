@@ -17,6 +17,10 @@ import torch
 
 EPS = 1e-6
 
+# Estimators whose advantages are per token and computed by the trainer (they need the critic's values or the
+# reference's log-probs), not per sample by `group_advantages`.
+TOKEN_LEVEL_ESTIMATORS = ("ppo", "reinforce_plus_plus")
+
 
 def group_advantages(
     rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str = "grpo", normalize_by_std: bool = True
@@ -133,6 +137,7 @@ def reinforce_pp_returns(
     kl: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     gamma: float = 1.0,
+    whiten: bool = True,
 ) -> torch.Tensor:
     """REINFORCE++ advantages (Hu, "REINFORCE++: A Simple and Efficient Approach for Aligning LLMs", 2025).
 
@@ -142,10 +147,11 @@ def reinforce_pp_returns(
     (mean and population std over every trained token of the batch: no critic and no per-prompt baseline).
     kl: [b, t] per-token KL estimate to the reference (e.g. `losses.kl_penalty(..., "k1")` of the rollout policy), or
     None for no shaping. Masked tokens are skipped as in `gae` (this is `gae` with V = 0 and lam = 1, then whitened).
+    whiten=False returns the returns G (the caller whitens them over a batch spread over several tensors or ranks).
     """
     m = mask.to(torch.float32)
     r = terminal_rewards(rewards.to(torch.float32), mask)
     if kl is not None and kl_coef:
         r = r - kl_coef * kl.detach().to(torch.float32) * m
     returns, _ = gae(r, torch.zeros_like(r), m, gamma=gamma, lam=1.0)
-    return masked_whiten(returns, m)
+    return masked_whiten(returns, m) if whiten else returns

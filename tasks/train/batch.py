@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 import torch
 
-from sluiceway.tasks.train.advantages import group_advantages
+from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS, group_advantages
 from sluiceway.tasks.train.trainer import TrainSample
 
 
@@ -21,8 +21,11 @@ def build_train_samples(table: pa.Table, estimator: str, normalize_by_std: bool)
         raise RuntimeError(f"{len(missing)} trajectories have no reward yet, e.g. (group, sample) {missing[0]}")
     rewards = torch.tensor([r["reward"] for r in rows])
     groups = torch.tensor([r["group_id"] for r in rows])
-    # GSPO keeps GRPO's group-relative advantages; only its importance ratio is per sequence (the loss).
-    adv = group_advantages(rewards, groups, "grpo" if estimator == "gspo" else estimator, normalize_by_std)
+    if estimator in TOKEN_LEVEL_ESTIMATORS:
+        adv = torch.zeros(len(rows))  # per-token advantages come from the trainer (values, reference), not here
+    else:
+        # GSPO keeps GRPO's group-relative advantages; only its importance ratio is per sequence (the loss).
+        adv = group_advantages(rewards, groups, "grpo" if estimator == "gspo" else estimator, normalize_by_std)
     return [
         TrainSample(
             prompt_ids=r["prompt_token_ids"],
@@ -30,6 +33,7 @@ def build_train_samples(table: pa.Table, estimator: str, normalize_by_std: bool)
             loss_mask=r["loss_mask"],
             advantage=float(a),
             rollout_logprobs=r["rollout_logprobs"],
+            reward=float(r["reward"]),
         )
         for r, a in zip(rows, adv.tolist())
         if r["response_token_ids"]  # an empty response has no token to train on

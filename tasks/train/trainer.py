@@ -8,8 +8,10 @@ Weights leave the trainer in HF names, from the fp32 masters.
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,10 +20,34 @@ import torch
 from transformers import AutoConfig
 
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
-from sluiceway.models.hf_megatron import hf_to_megatron, load_hf_weights, megatron_state_dict, megatron_to_hf
-from sluiceway.models.megatron_gpt import build_gpt_model, init_parallel_state, token_logprobs_and_entropy
+from sluiceway.models.hf_megatron import (
+    hf_to_megatron,
+    load_hf_weights,
+    megatron_state_dict,
+    megatron_to_hf,
+    merge_tp_shards,
+)
+from sluiceway.models.megatron_gpt import (  # megatron.core through here: it silences the no-TE warnings
+    allreduce_gradients,
+    build_gpt_model,
+    init_parallel_state,
+    packed_attention_mask,
+    parallel_state,
+    token_logprobs_and_entropy,
+)
 from sluiceway.models.zoo import load_hf_state_dict
+from sluiceway.tasks.sync.disk import write_weight_version
+from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS
+from sluiceway.tasks.train.critic import Critic, needs_reference, token_advantages
 from sluiceway.tasks.train.losses import aggregate, gspo_loss, kl_penalty, ppo_clip_loss, tis_weights
+from sluiceway.tasks.train.parallel import (
+    gather_tensor_parallel,
+    grad_norm,
+    is_tensor_parallel,
+    plan_micro_batches,
+    reduce_step_metrics,
+    shard_for_rank,
+)
 
 
 @dataclass
@@ -31,34 +57,77 @@ class TrainSample:
     loss_mask: list[int]  # per response token
     advantage: float
     rollout_logprobs: list[float]  # per response token, from the engine
+    reward: float = 0.0  # the token-level estimators (ppo, reinforce_plus_plus) compute advantages from it
 
 
 @dataclass
 class _MicroBatch:
-    input_ids: torch.Tensor  # [b, s] right-padded
-    mask: torch.Tensor  # [b, s-1] 1 where the token at t+1 is a trained response token
-    advantages: torch.Tensor  # [b, s-1]
-    rollout_logp: torch.Tensor  # [b, s-1]
+    """Model inputs plus per-sample loss tensors [n_samples, w-1] (index t scores the token at t+1).
+
+    Unpacked, row i of `input_ids` is sample i, right-padded. Packed, `input_ids` holds several samples per row
+    back to back, `attention_mask` keeps them apart, and `unpack` maps each per-sample position to its place in
+    the flattened [rows * (s-1)] log-probs, so the losses see the same per-sample layout either way.
+    """
+
+    input_ids: torch.Tensor  # [rows, s]
+    mask: torch.Tensor  # [n, w-1] 1 where the token at t+1 is a trained response token
+    advantages: torch.Tensor  # [n, w-1]
+    rollout_logp: torch.Tensor  # [n, w-1]
+    attention_mask: torch.Tensor | None = None  # [rows, 1, s, s], packed rows only
+    unpack: torch.Tensor | None = None  # [n, w-1] long, packed rows only
+    rewards: torch.Tensor | None = None  # [n], for the token-level estimators
 
     def to(self, device: torch.device) -> _MicroBatch:
-        return _MicroBatch(*(t.to(device) for t in (self.input_ids, self.mask, self.advantages, self.rollout_logp)))
+        return _MicroBatch(**{k: None if t is None else t.to(device) for k, t in vars(self).items()})
+
+    def per_sample(self, x: torch.Tensor) -> torch.Tensor:
+        """Model output [rows, s-1] -> the per-sample layout [n, w-1]."""
+        return x if self.unpack is None else x.reshape(-1)[self.unpack]
 
 
-def collate(samples: list[TrainSample], pad_id: int) -> _MicroBatch:
-    width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    b = len(samples)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((b, width - 1))
-    adv = torch.zeros((b, width - 1))
-    rlp = torch.zeros((b, width - 1))
+def collate(samples: list[TrainSample], pad_id: int, rows: list[list[int]] | None = None) -> _MicroBatch:
+    """Tensors for one micro-batch: one sample per row, or with `rows` (sample indices) several packed per row."""
+    n = len(samples)
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    w = max(lengths)
+    mask = torch.zeros((n, w - 1))
+    adv = torch.zeros((n, w - 1))
+    rlp = torch.zeros((n, w - 1))
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
-        ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
-        # logprob index t predicts token t+1: response token j sits at position p+j, predicted at p+j-1.
-        mask[i, p - 1 : p - 1 + r] = torch.tensor(s.loss_mask, dtype=torch.float32)
-        adv[i, p - 1 : p - 1 + r] = s.advantage
-        rlp[i, p - 1 : p - 1 + r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
-    return _MicroBatch(ids, mask, adv, rlp)
+        # logprob index t predicts token t+1: response token j sits at p+j, predicted at p+j-1.
+        span = slice(p - 1, p - 1 + r)
+        mask[i, span] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        adv[i, span] = s.advantage
+        rlp[i, span] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+    rows = rows if rows is not None else [[i] for i in range(n)]
+    width = max(sum(lengths[i] for i in row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    if len(rows) == n and all(len(row) == 1 for row in rows) and rows == [[i] for i in range(n)]:
+        for i, s in enumerate(samples):
+            ids[i, : lengths[i]] = torch.tensor(s.prompt_ids + s.response_ids)
+        return _MicroBatch(ids, mask, adv, rlp, rewards=rewards)
+    segments = torch.full((len(rows), width), -1, dtype=torch.long)
+    unpack = torch.zeros((n, w - 1), dtype=torch.long)
+    for row_i, row in enumerate(rows):
+        o = 0  # where the sample starts in its row
+        for seg, i in enumerate(row):
+            s = samples[i]
+            ids[row_i, o : o + lengths[i]] = torch.tensor(s.prompt_ids + s.response_ids)
+            segments[row_i, o : o + lengths[i]] = seg
+            t = torch.arange(lengths[i] - 1)
+            unpack[i, : lengths[i] - 1] = row_i * (width - 1) + o + t
+            o += lengths[i]
+    return _MicroBatch(ids, mask, adv, rlp, packed_attention_mask(segments), unpack, rewards)
+
+
+@dataclass
+class _OptimizerStep:
+    batches: list[_MicroBatch]  # this DP rank's share
+    n_tokens: float  # trained tokens of the whole optimizer step, all ranks (the loss normalisers)
+    n_seqs: float
+    longest: float  # most trained tokens in one sample
 
 
 class PolicyTrainer:
@@ -72,6 +141,7 @@ class PolicyTrainer:
         device: torch.device | str = "cpu",
         total_iters: int | None = None,
         max_response_len: int | None = None,
+        tensor_parallel: int = 1,
     ):
         self.training, self.algorithm, self.temperature = training, algorithm, temperature
         self.pad_token_id = pad_token_id
@@ -79,7 +149,12 @@ class PolicyTrainer:
         self.total_iters = total_iters  # optimizer steps in the whole run, for LR decay
         self.max_response_len = max_response_len  # Dr. GRPO's constant normaliser
         self.hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
-        init_parallel_state()
+        # Under torchrun this joins the process group (DP = world / TP); alone it is a world of one.
+        init_parallel_state(tensor_model_parallel_size=tensor_parallel)
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
         torch.manual_seed(training.seed)
         dtype = torch.bfloat16 if training.bf16 else torch.float32
         self.model = build_gpt_model(self.hf_config, dtype=dtype, device=self.device)
@@ -90,12 +165,12 @@ class PolicyTrainer:
         params = [p for _, p in self.model.named_parameters()]
         if self.mixed_precision:
             # Masters come from the original fp32 weights, not from their bf16 rounding.
-            full = hf_to_megatron(hf_state, self.hf_config)
+            full = hf_to_megatron(hf_state, self.hf_config, tp_rank=self.tp_rank, tp_size=self.tp_size)
             self.master = [full[n].detach().float().to(self.device).clone() for n in self.param_names]
         else:
             self.master = params  # fp32: the model's parameters are the master weights
         self.ref_model = None
-        if algorithm.use_kl_loss:
+        if needs_reference(algorithm):
             # A second model, not a deepcopy: megatron modules hold process groups, which do not copy.
             self.ref_model = build_gpt_model(self.hf_config, dtype=dtype, device=self.device)
             load_hf_weights(self.ref_model, hf_state, self.hf_config)
@@ -107,7 +182,12 @@ class PolicyTrainer:
             betas=(training.adam_beta1, training.adam_beta2),
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.tp_flags = [is_tensor_parallel(p) for p in params]
         self.weight_version = 0
+        # PPO's value model: a GPTModel of its own from the same weights, with a scalar head and its own AdamW.
+        self.critic = None
+        if algorithm.advantage_estimator == "ppo":
+            self.critic = Critic(self.hf_config, hf_state, training, algorithm, self.device, self._lr_factor)
 
     def _lr_factor(self, it: int) -> float:
         """Multiplier of lr at optimizer step `it`: linear warmup, then constant, linear or cosine decay."""
@@ -122,8 +202,41 @@ class PolicyTrainer:
         shape = 1.0 - progress if t.lr_decay_style == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
         return floor + (1.0 - floor) * shape
 
-    def _logprobs(self, model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return token_logprobs_and_entropy(model, ids, temperature=self.temperature)
+    def _logprobs(self, model, mb: _MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token (log-prob, entropy) in the micro-batch's per-sample layout [n, w-1]."""
+        logp, ent = token_logprobs_and_entropy(model, mb.input_ids, self.temperature, mb.attention_mask)
+        return mb.per_sample(logp), mb.per_sample(ent)
+
+    def _plan(self, samples: list[TrainSample], step: int) -> list[_OptimizerStep]:
+        """The step's samples, shuffled, as optimizer steps of this DP rank's micro-batches.
+
+        Filters can leave fewer samples than the global batch: the samples are then shared out over as many
+        optimizer steps as they fill micro-batches (at most num_steps_per_rollout).
+        """
+        t = self.training
+        order = list(range(len(samples)))
+        random.Random(t.seed * 1_000_003 + step).shuffle(order)
+        samples = [samples[i] for i in order]
+        mbs = t.micro_batch_size
+        n_micro = math.ceil(len(samples) / mbs)
+        n_steps = min(t.num_steps_per_rollout, n_micro)
+        per_step = math.ceil(n_micro / n_steps) * mbs  # whole micro-batches per optimizer step
+        steps = []
+        for start in range(0, len(samples), per_step):
+            chunk = samples[start : start + per_step]
+            lengths = [len(s.prompt_ids) + len(s.response_ids) for s in chunk]
+            plans = plan_micro_batches(lengths, mbs, t.max_tokens_per_gpu)
+            mine = shard_for_rank(plans, self.dp_size, self.dp_rank)
+            batches = [collate([chunk[i] for i in p.samples], self.pad_token_id, p.rows).to(self.device) for p in mine]
+            steps.append(
+                _OptimizerStep(
+                    batches,
+                    n_tokens=float(sum(sum(s.loss_mask) for s in chunk)),
+                    n_seqs=float(len(chunk)),
+                    longest=float(max(sum(s.loss_mask) for s in chunk)),
+                )
+            )
+        return steps
 
     def train_rollout(self, samples: list[TrainSample], step: int) -> dict[str, float]:
         """num_steps_per_rollout optimizer steps over one rollout's samples; returns averaged metrics.
@@ -132,33 +245,34 @@ class PolicyTrainer:
         as many optimizer steps as there are micro-batches (at most num_steps_per_rollout). With no sample
         left, nothing is trained and the weight version stays.
         """
-        t = self.training
         if not samples:
             return {"skipped": 1.0}
         t0 = time.perf_counter()
         adv = torch.tensor([s_.advantage for s_ in samples])
-        order = list(range(len(samples)))
-        random.Random(t.seed * 1_000_003 + step).shuffle(order)
-        samples = [samples[i] for i in order]
-        mbs = t.micro_batch_size
-        batches = [
-            collate(samples[i : i + mbs], self.pad_token_id).to(self.device) for i in range(0, len(samples), mbs)
-        ]
+        steps = self._plan(samples, step)
         # With one optimizer step per rollout the policy is unchanged until the step, so the old log-probs
         # are the current ones, detached (ratio = 1 exactly). Otherwise compute them once, up front.
-        old_logps = None
-        if t.num_steps_per_rollout > 1:
+        old_logps: list[list[torch.Tensor] | None] = [None] * len(steps)
+        if self.training.num_steps_per_rollout > 1:
             with torch.no_grad():
-                old_logps = [self._logprobs(self.model, mb.input_ids)[0] for mb in batches]
-        n_steps = min(t.num_steps_per_rollout, len(batches))
-        per_step = -(-len(batches) // n_steps)  # ceil: a full run has global_batch_size // mbs per step
+                old_logps = [[self._logprobs(self.model, mb)[0] for mb in st.batches] for st in steps]
+        targets, token_metrics = [None] * len(steps), {}
+        if self.algorithm.advantage_estimator in TOKEN_LEVEL_ESTIMATORS:
+            # Per-token advantages replace the broadcast ones in the micro-batches; ppo's critic gets its targets.
+            policy = lambda mb: self._logprobs(self.model, mb)[0]  # noqa: E731
+            ref = None if self.ref_model is None else (lambda mb: self._logprobs(self.ref_model, mb)[0])
+            batches = [st.batches for st in steps]
+            targets, token_metrics = token_advantages(batches, self.algorithm, policy, ref, self.critic, old_logps)
+        train_policy = self.critic is None or not self.critic.warming_up
         metrics: dict[str, list[float]] = {}
-        for opt_step in range(n_steps):
-            chunk = range(opt_step * per_step, min((opt_step + 1) * per_step, len(batches)))
-            old = [old_logps[i] for i in chunk] if old_logps else None
-            step_metrics = self._optimizer_step([batches[i] for i in chunk], old)
-            for k, v in step_metrics.items():
+        for st, old, tg in zip(steps, old_logps, targets or [None] * len(steps)):
+            m = self._optimizer_step(st, old) if train_policy else {"tokens": st.n_tokens, "logprob_mismatch_max": 0.0}
+            if self.critic is not None:
+                m |= self.critic.train_step(st.batches, tg, st.n_tokens)
+            for k, v in m.items():
                 metrics.setdefault(k, []).append(v)
+        if self.critic is not None:
+            self.critic.rollouts_trained += 1
         self.weight_version += 1
         out = {k: sum(v) / len(v) for k, v in metrics.items() if k != "logprob_mismatch_max"}
         out["logprob_mismatch_max"] = max(metrics["logprob_mismatch_max"])
@@ -169,16 +283,16 @@ class PolicyTrainer:
             "adv_min": float(adv.min()),
             "adv_max": float(adv.max()),
         }
-        return out
+        return out | token_metrics
 
-    def _optimizer_step(self, batches: list[_MicroBatch], old_logps: list[torch.Tensor] | None) -> dict[str, float]:
+    def _accumulate(self, st: _OptimizerStep, old_logps: list[torch.Tensor] | None) -> dict[str, float]:
+        """Forward and backward over this rank's micro-batches of one optimizer step; grads accumulate."""
         a = self.algorithm
         eps_high = a.eps_clip_high if a.eps_clip_high is not None else a.eps_clip
-        n_tokens = float(sum(mb.mask.sum() for mb in batches))
-        n_seqs = float(sum(mb.mask.shape[0] for mb in batches))
+        n_tokens, n_seqs = st.n_tokens, st.n_seqs
         # What each aggregation divides by (see losses.aggregate): tokens, sequences, or Dr. GRPO's constant.
         denom = {"token_mean": n_tokens, "seq_mean_token_mean": n_seqs}.get(
-            a.loss_agg_mode, float(self.max_response_len or max(int(mb.mask.sum(-1).max()) for mb in batches))
+            a.loss_agg_mode, float(self.max_response_len or st.longest)
         )
         agg_kw = {"num_seqs": n_seqs} if a.loss_agg_mode == "seq_mean_token_sum_norm" else {}
         self.model.train()
@@ -192,8 +306,8 @@ class PolicyTrainer:
             logprob_mismatch=0.0,
             logprob_mismatch_max=0.0,
         )
-        for i, mb in enumerate(batches):
-            logp, entropy = self._logprobs(self.model, mb.input_ids)
+        for i, mb in enumerate(st.batches):
+            logp, entropy = self._logprobs(self.model, mb)
             old = old_logps[i] if old_logps is not None else logp.detach()
             if a.advantage_estimator == "gspo":
                 pg, clipped = gspo_loss(logp, old, mb.advantages, mb.mask, a.eps_clip, eps_high)
@@ -205,7 +319,7 @@ class PolicyTrainer:
             sums["pg_loss"] += loss.item()
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref_logp = self._logprobs(self.ref_model, mb.input_ids)[0]
+                    ref_logp = self._logprobs(self.ref_model, mb)[0]
                 kl = aggregate(kl_penalty(logp, ref_logp, a.kl_loss_type), mb.mask, a.loss_agg_mode, denom, **agg_kw)
                 loss = loss + a.kl_loss_coef * kl
                 sums["kl"] += kl.item()
@@ -222,13 +336,31 @@ class PolicyTrainer:
             gap = (logp.detach() - mb.rollout_logp).abs() * m  # training-inference mismatch per token
             sums["logprob_mismatch"] += float(gap.sum()) / max(n_tokens, 1.0)
             sums["logprob_mismatch_max"] = max(sums["logprob_mismatch_max"], float(gap.max()))
+        # Each DP rank holds shares of global sums; TP ranks of one DP rank computed the same values.
+        return reduce_step_metrics(sums, max_keys=("logprob_mismatch_max",))
+
+    def _optimizer_step(self, st: _OptimizerStep, old_logps: list[torch.Tensor] | None) -> dict[str, float]:
+        sums = self._accumulate(st, old_logps)
         sums["lr"] = self.optimizer.param_groups[0]["lr"]
-        grad_norm = self._step_master_weights()
-        sums["grad_norm"] = float(grad_norm)
-        sums["tokens"] = n_tokens
+        allreduce_gradients(self.model)
+        sums["grad_norm"] = float(self._step_master_weights())
+        sums["tokens"] = st.n_tokens
         if not math.isfinite(sums["loss"]):
             raise FloatingPointError(f"non-finite loss {sums['loss']} at weight version {self.weight_version}")
         return sums
+
+    def gradients(self, samples: list[TrainSample], step: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        """Metrics and full-model gradients (HF names) of the first optimizer step of `samples`, without stepping.
+
+        A diagnostic: what the step would do, the same on every layout of ranks (the TP/DP parity tests use it).
+        """
+        st = self._plan(samples, step)[0]
+        sums = self._accumulate(st, None)
+        allreduce_gradients(self.model)
+        grads = {n: p.grad.detach().float().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        self.model.zero_grad(set_to_none=True)
+        full = merge_tp_shards(gather_tensor_parallel(grads), self.hf_config)
+        return sums, megatron_to_hf(full, self.hf_config, include_tied_lm_head=False)
 
     def _step_master_weights(self) -> torch.Tensor:
         model_params = [p for _, p in self.model.named_parameters()]
@@ -236,11 +368,10 @@ class PolicyTrainer:
             for p, m in zip(model_params, self.master):
                 m.grad = None if p.grad is None else p.grad.float()
                 p.grad = None
-        with_grad = [m for m in self.master if m.grad is not None]
+        total_norm = grad_norm(self.master, self.tp_flags)
         if self.training.clip_grad > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(with_grad, self.training.clip_grad)
-        else:
-            grad_norm = torch.linalg.vector_norm(torch.stack([m.grad.norm() for m in with_grad]))
+            with_grad = [m for m in self.master if m.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(with_grad, self.training.clip_grad, total_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -248,35 +379,74 @@ class PolicyTrainer:
             with torch.no_grad():
                 for p, m in zip(model_params, self.master):
                     p.copy_(m)
-        return grad_norm
+        return total_norm
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state in megatron names with fp32 master values for every parameter."""
+        """This rank's model state in megatron names with fp32 master values for every parameter."""
         state = megatron_state_dict(self.model)
         state.update({n: m.detach() for n, m in zip(self.param_names, self.master)})
         return state
 
     def hf_state_dict(self, include_tied_lm_head: bool = True) -> dict[str, torch.Tensor]:
-        return megatron_to_hf(self.master_state_dict(), self.hf_config, include_tied_lm_head=include_tied_lm_head)
+        """The whole model in HF names (TP shards gathered; a collective: every rank must call it)."""
+        full = merge_tp_shards(gather_tensor_parallel(self.master_state_dict()), self.hf_config)
+        return megatron_to_hf(full, self.hf_config, include_tied_lm_head=include_tied_lm_head)
+
+    def state(self) -> dict[str, int]:
+        return {"weight_version": self.weight_version}
+
+    def write_weights(self, hf_dir: str | Path, root: str | Path) -> Path | None:
+        """Publish the current weights as an HF model directory under `root` (see tasks/sync/disk.py).
+
+        A collective (the TP shards are gathered); rank 0 writes and returns the path, other ranks return None.
+        """
+        state = self.hf_state_dict(include_tied_lm_head=False)
+        if torch.distributed.get_rank() != 0:
+            return None
+        return write_weight_version(state, Path(hf_dir), Path(root), self.weight_version)
 
     def save(self, path: str | Path, step: int) -> None:
-        """Local checkpoint: model, optimizer, LR schedule, RNG states and version, written atomically."""
+        """Checkpoint directory: per TP rank the model shard, optimizer, LR schedule, RNG states; a meta.json.
+
+        A collective (every rank calls it). DP replicas hold the same state, so only DP rank 0 writes. The new
+        directory is complete before it replaces the old one, so a crash mid-save leaves the previous checkpoint.
+        """
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        state = {
-            "model": self.master_state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-            "weight_version": self.weight_version,
-            "step": step,
-        }
-        torch.save(state, tmp)
-        tmp.replace(path)
+        tmp = path.with_name(path.name + ".tmp")
+        if self.dp_rank == 0:
+            tmp.mkdir(parents=True, exist_ok=True)
+            state = {
+                "model": self.master_state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+                "weight_version": self.weight_version,
+                "step": step,
+                "critic": None if self.critic is None else self.critic.state_dict(),
+            }
+            torch.save(state, tmp / f"tp{self.tp_rank}.pt")
+        _barrier()
+        if torch.distributed.get_rank() == 0:
+            meta = {"step": step, "weight_version": self.weight_version, "tensor_parallel": self.tp_size}
+            (tmp / "meta.json").write_text(json.dumps(meta))
+            old = path.with_name(path.name + ".old")
+            if path.exists():
+                path.rename(old)
+            tmp.rename(path)
+            if old.exists():
+                shutil.rmtree(old)
+        _barrier()
 
     def load(self, path: str | Path) -> int:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        """Restore a checkpoint written by `save` with the same tensor-parallel size; returns its step."""
+        path = Path(path)
+        meta = json.loads((path / "meta.json").read_text())
+        if meta["tensor_parallel"] != self.tp_size:
+            raise RuntimeError(
+                f"{path}: checkpoint was written with tensor_model_parallel_size={meta['tensor_parallel']}, "
+                f"this trainer has {self.tp_size}"
+            )
+        state = torch.load(path / f"tp{self.tp_rank}.pt", map_location="cpu", weights_only=False)
         missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
@@ -288,7 +458,51 @@ class PolicyTrainer:
                 m.copy_(state["model"][n])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.critic is not None:
+            if state.get("critic") is None:
+                raise RuntimeError(f"{path}: checkpoint has no critic (advantage_estimator ppo needs one)")
+            self.critic.load_state_dict(state["critic"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         self.weight_version = state["weight_version"]
         return state["step"]
+
+    def train_sft(self, samples: list[TrainSample], step: int) -> dict[str, float]:
+        """One SFT optimizer step over a global batch: NLL of the trained tokens, token-mean over the whole batch.
+
+        Micro-batches (or packed rows, with max_tokens_per_gpu) accumulate gradients, each divided by the global
+        batch's trained-token count, so their sum is one token mean however the batch is split. Log-probs are at
+        temperature 1 whatever the trainer's sampling temperature. The samples come in the caller's order.
+        """
+        from sluiceway.tasks.train.losses import sft_loss  # here: this method is a self-contained addition
+
+        t0 = time.perf_counter()
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        plans = plan_micro_batches(lengths, self.training.micro_batch_size, self.training.max_tokens_per_gpu)
+        mine = shard_for_rank(plans, self.dp_size, self.dp_rank)
+        n_tokens = float(sum(sum(s.loss_mask) for s in samples))
+        self.model.train()
+        sums = {"loss": 0.0, "entropy": 0.0}
+        for p in mine:
+            mb = collate([samples[i] for i in p.samples], self.pad_token_id, p.rows).to(self.device)
+            logp, entropy = token_logprobs_and_entropy(self.model, mb.input_ids, 1.0, mb.attention_mask)
+            logp, entropy = mb.per_sample(logp), mb.per_sample(entropy)
+            loss = aggregate(sft_loss(logp, mb.mask), mb.mask, "token_mean", n_tokens)
+            loss.backward()
+            sums["loss"] += loss.item()
+            sums["entropy"] += aggregate(entropy.detach(), mb.mask, "token_mean", n_tokens).item()
+        sums = reduce_step_metrics(sums)
+        if not math.isfinite(sums["loss"]):
+            raise FloatingPointError(f"non-finite SFT loss {sums['loss']} at step {step}")
+        sums["lr"] = self.optimizer.param_groups[0]["lr"]
+        allreduce_gradients(self.model)
+        sums["grad_norm"] = float(self._step_master_weights())
+        self.weight_version += 1
+        sums["tokens"] = n_tokens
+        sums["tokens_per_s"] = n_tokens / (time.perf_counter() - t0)
+        return sums
+
+
+def _barrier() -> None:
+    if torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()

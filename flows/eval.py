@@ -1,0 +1,148 @@
+"""`sluiceway eval`: evaluate a model on the eval sets with the rollout engines, no training, as a Prefect flow.
+
+    (preflight: resolve the model, import and render the eval sets)
+    start engines on the model -> one evaluate task per set -> metrics (tag "eval") -> stop engines
+
+The model is a zoo name, an HF model directory, or a run's published weights: `OUTPUT_DIR/weights/vNNNNNN`, or
+`OUTPUT_DIR/weights` for its newest version. The eval sets, seeds and scoring are those of the RL flow's evaluate
+stage (tasks/evaluate/evaluate.py, the same prompts: seed + 1, first eval_size), so the numbers compare with a
+run's own `eval after N steps`. Metrics are stored at the weights' version (0 for a model that is no run's
+weights) under this run's id.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+
+from sluiceway.flows.config import RunConfig, validate_for
+from sluiceway.flows.engines import RolloutEngines
+from sluiceway.flows.errors import UserError
+from sluiceway.flows.runtime import build_reward_settings, build_rollout_settings, load_eval_prompts
+from sluiceway.infra.sglang_launcher import require_sglang
+from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
+from sluiceway.storage.metrics import append_metrics
+from sluiceway.storage.object_store import ObjectStore
+from sluiceway.tasks.evaluate.evaluate import evaluate
+from sluiceway.tasks.reward.score import RewardSettings
+from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings
+
+_VERSION_DIR = re.compile(r"v(\d{6})")
+
+
+@dataclass
+class EvalPrepared:
+    store: ObjectStore
+    hf_dir: Path
+    version: int  # the weights' version when they are a run's published weights, else 0
+    tokenizer: object
+    eval_prompts: dict[str, list[PromptItem]]
+    rewards: RewardSettings
+    settings: RolloutSettings
+
+
+def resolve_model(name_or_dir: str) -> tuple[Path, int]:
+    """The model directory and its weight version; a run's weights root means its newest version."""
+    p = Path(name_or_dir).expanduser()
+    if p.is_dir() and not (p / "config.json").exists():
+        versions = sorted(d for d in p.iterdir() if _VERSION_DIR.fullmatch(d.name) and (d / "config.json").exists())
+        if versions:
+            p, name_or_dir = versions[-1], str(versions[-1])
+    hf_dir = resolve_checkpoint(name_or_dir)
+    m = _VERSION_DIR.fullmatch(hf_dir.name)
+    return hf_dir, int(m.group(1)) if m else 0
+
+
+def prepare_eval(cfg: RunConfig) -> EvalPrepared:
+    if cfg.rollout.rollout_engine == "sglang":
+        require_sglang()
+    store = ObjectStore.from_uri(cfg.tables_uri, cfg.storage.s3_endpoint_url, cfg.storage.s3_region)
+    rewards = build_reward_settings(cfg)
+    hf_dir, version = resolve_model(cfg.training.hf_checkpoint)
+    tokenizer = load_tokenizer(hf_dir)
+    prompts = load_eval_prompts(cfg, store, tokenizer)
+    empty = [name for name, items in prompts.items() if not items]
+    if empty:
+        raise UserError(f"--eval-prompt-data: set {empty[0]!r} has no prompts")
+    settings = build_rollout_settings(cfg, tokenizer, hf_dir)
+    return EvalPrepared(store, hf_dir, version, tokenizer, prompts, rewards, settings)
+
+
+@dataclass
+class _EvalRun:
+    cfg: RunConfig
+    prep: EvalPrepared
+    engines: RolloutEngines
+
+    def decode(self, ids: list[int]) -> str:
+        return self.prep.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+_RUNS: dict[str, _EvalRun] = {}
+_PREPARED: dict[str, EvalPrepared] = {}  # the CLI preflight's work, handed to the flow in the same process
+
+
+def hand_over(cfg: RunConfig, prep: EvalPrepared) -> None:
+    _PREPARED[cfg.run_id] = prep
+
+
+@task(name="evaluate", cache_policy=NO_CACHE, persist_result=False)
+def eval_set_task(run_id: str, name: str) -> dict:
+    run = _RUNS[run_id]
+    c, p = run.cfg, run.prep
+    return run.engines.run(
+        evaluate(
+            client=run.engines.client,
+            prompts=p.eval_prompts[name],
+            settings=p.settings,
+            reward_settings=p.rewards,
+            n_samples=c.eval.n_samples_per_eval_prompt,
+            tag=f"{run_id}/{p.version}/{name}",
+            decode=run.decode,
+            name=name,
+        )
+    )
+
+
+def format_set(name: str, m: dict[str, float]) -> str:
+    prefix = f"eval/{name}/"
+    scores = "  ".join(
+        f"{k.removeprefix(prefix)} {v:.3f}" for k, v in m.items() if k.startswith(prefix) and not k.endswith("/prompts")
+    )
+    return f"eval {name}  {scores}  ({int(m[prefix + 'prompts'])} prompts)"
+
+
+@flow(name="sluiceway-eval", log_prints=False)
+def eval_flow(config: dict) -> dict:
+    """Evaluate `config`'s hf_checkpoint on its eval sets (a RunConfig as a dict)."""
+    cfg = validate_for(config, "eval")
+    prep = _PREPARED.pop(cfg.run_id, None) or prepare_eval(cfg)
+    run_dir = Path(cfg.storage.output_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    engines = RolloutEngines(cfg, prep.hf_dir, run_dir, weight_version=prep.version)
+    _RUNS[cfg.run_id] = _EvalRun(cfg, prep, engines)
+    metrics: dict[str, float] = {}
+    try:
+        for name in prep.eval_prompts:
+            m = eval_set_task(cfg.run_id, name)
+            metrics |= m
+            if not cfg.logging.quiet:
+                print(format_set(name, m), flush=True)
+    finally:
+        _RUNS.pop(cfg.run_id, None)
+        engines.close()
+    metrics["time/eval_s"] = time.perf_counter() - t0
+    append_metrics(prep.store, cfg.run_id, prep.version, metrics, tag="eval")
+    return {
+        "run_id": cfg.run_id,
+        "model": str(prep.hf_dir),
+        "step": prep.version,
+        "metrics": metrics,
+        "tables": cfg.tables_uri,
+    }

@@ -1,0 +1,208 @@
+"""`sluiceway replay`: train again on a stored run's trajectories, with no engine running, as a Prefect flow.
+
+    (preflight: pin the trajectories table version, check the run and its steps)
+    per stored step: train -> checkpoint every save_interval -> metrics (tag "replay");  at the end: publish
+
+The table is read at one Delta version (`--replay-version`, or `--replay-timestamp` through time travel, else the
+latest when the replay starts), one step at a time, in the stored order or `--replay-steps`'. Advantages are
+computed again from the stored rewards with the configured estimator, so an ablation of the estimator or the
+loss needs no new rollouts.
+
+Off-policy correction: the stored rollout log-probs are the behaviour policy. Replay uses the trainer's truncated
+importance sampling against them (`--use-tis`, which `sluiceway replay` turns on unless the YAML or a flag says
+otherwise): each token's loss is weighted by clamp(pi_current / pi_behaviour, tis_clip_low, tis_clip), where
+pi_current is the trainer's policy before the step's first optimizer step, while PPO's clip acts between that and
+the policy being updated. Using the stored log-probs as PPO's old log-probs instead would clip almost every
+token once the current policy has drifted from the stored one (no gradient), and could not bound the weights;
+TIS keeps the PPO step well-behaved and makes the ratio to the behaviour policy explicit and truncated. The
+stored log-probs were taken at the stored run's sampling temperature: give the same `--rollout-temperature`.
+
+The flow imports nothing from the engine side (flows/engines.py, infra/); its checkpoint lives in
+`checkpoints/replay`, and `replay.json` in the run directory pins the source, so a resumed replay reads the
+same table version and continues after its last checkpointed step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+
+from sluiceway.flows.config import RunConfig, validate_for
+from sluiceway.flows.errors import UserError
+from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
+from sluiceway.storage.metrics import append_metrics
+from sluiceway.storage.object_store import ObjectStore
+from sluiceway.tasks.train.launch import build_trainer
+from sluiceway.tasks.train.remote import RemoteTrainer
+from sluiceway.tasks.train.replay import ReplaySource, open_source, step_batch
+from sluiceway.tasks.train.trainer import PolicyTrainer
+
+log = logging.getLogger("sluiceway")
+
+
+@dataclass
+class ReplayPrepared:
+    source: ReplaySource
+    tables: str  # where the source table lives
+    store: ObjectStore  # this run's tables (metrics)
+    hf_dir: Path
+    tokenizer: object
+
+
+def _manifest_path(cfg: RunConfig) -> Path:
+    return Path(cfg.storage.output_dir).resolve() / "replay.json"
+
+
+def prepare_replay(cfg: RunConfig) -> ReplayPrepared:
+    """Everything a user can get wrong, checked before the flow starts; no model is built here."""
+    if cfg.resources.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available (use --device cpu)")
+    if cfg.resources.num_threads:
+        torch.set_num_threads(cfg.resources.num_threads)
+    rp = cfg.replay
+    tables = rp.replay_tables or cfg.tables_uri
+    if "://" not in tables and not Path(tables).is_dir():  # ObjectStore would create a missing local directory
+        raise UserError(f"--replay-tables {tables}: no such directory")
+    source_store = ObjectStore.from_uri(tables, cfg.storage.s3_endpoint_url, cfg.storage.s3_region)
+    store = ObjectStore.from_uri(cfg.tables_uri, cfg.storage.s3_endpoint_url, cfg.storage.s3_region)
+    if rp.replay_run_id == cfg.run_id and source_store.table_uri("x") == store.table_uri("x"):
+        raise UserError(
+            f"replay: run id {cfg.run_id} is the stored run itself; give the replay its own --output-dir or --run-id"
+        )
+    pinned = _read_manifest(cfg)
+    version = rp.replay_version
+    if pinned and version is None and rp.replay_timestamp is None:
+        version = pinned["version"]  # a resumed replay keeps the version it started from
+    source = open_source(source_store, rp.replay_run_id, version, rp.replay_timestamp, rp.replay_steps)
+    mine = {"tables": tables, "run_id": source.run_id, "version": source.version, "steps": source.steps}
+    if pinned and pinned != mine:
+        raise UserError(
+            f"{_manifest_path(cfg)}: this run directory replays {pinned}, not {mine}; use a new --output-dir"
+        )
+    hf_dir = resolve_checkpoint(cfg.training.hf_checkpoint)
+    return ReplayPrepared(source, tables, store, hf_dir, load_tokenizer(hf_dir))
+
+
+def _read_manifest(cfg: RunConfig) -> dict | None:
+    p = _manifest_path(cfg)
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+@dataclass
+class ReplayRun:
+    cfg: RunConfig
+    run_dir: Path
+    prep: ReplayPrepared
+    trainer: PolicyTrainer | RemoteTrainer
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.run_dir / "checkpoints" / "replay"  # apart from an RL run's checkpoints/latest
+
+    @classmethod
+    def create(cls, cfg: RunConfig, prep: ReplayPrepared) -> ReplayRun:
+        run_dir = Path(cfg.storage.output_dir).resolve()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        s = prep.source
+        manifest = {"tables": prep.tables, "run_id": s.run_id, "version": s.version, "steps": s.steps}
+        _manifest_path(cfg).write_text(json.dumps(manifest))
+        tok = prep.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        total_iters = len(s.steps) * cfg.training.num_steps_per_rollout
+        trainer = build_trainer(cfg, prep.hf_dir, pad, run_dir / "trainer", total_iters)
+        return cls(cfg, run_dir, prep, trainer)
+
+    def resume(self) -> int:
+        """Load the replay's checkpoint, if any; return the position in the step list to continue from."""
+        if not self.checkpoint_path.exists():
+            return 0
+        step = self.trainer.load(self.checkpoint_path)
+        log.info("resumed from %s (stored step %d)", self.checkpoint_path, step)
+        return self.prep.source.steps.index(step) + 1
+
+
+_RUNS: dict[str, ReplayRun] = {}
+_PREPARED: dict[str, ReplayPrepared] = {}  # the CLI preflight's work, handed to the flow in the same process
+
+
+def hand_over(cfg: RunConfig, prep: ReplayPrepared) -> None:
+    _PREPARED[cfg.run_id] = prep
+
+
+@task(name="replay-train", cache_policy=NO_CACHE, persist_result=False)
+def replay_train_task(run_id: str, step: int) -> dict:
+    run = _RUNS[run_id]
+    a = run.cfg.algorithm
+    samples, metrics = step_batch(run.prep.source, step, a.advantage_estimator, a.normalize_advantages_by_std)
+    metrics.update({f"train/{k}": v for k, v in run.trainer.train_rollout(samples, step).items()})
+    metrics["weight_version"] = float(run.trainer.weight_version)
+    metrics["replay/table_version"] = float(run.prep.source.version)
+    return metrics
+
+
+@task(name="checkpoint", cache_policy=NO_CACHE, persist_result=False)
+def checkpoint_task(run_id: str, step: int) -> str:
+    run = _RUNS[run_id]
+    run.trainer.save(run.checkpoint_path, step)
+    return str(run.checkpoint_path)
+
+
+@task(name="publish", cache_policy=NO_CACHE, persist_result=False)
+def publish_task(run_id: str) -> str:
+    """The trained weights as an HF model directory (weights/vNNNNNN), loadable by transformers or an engine."""
+    run = _RUNS[run_id]
+    return str(run.trainer.write_weights(run.prep.hf_dir, run.run_dir / "weights"))
+
+
+def format_step(step: int, i: int, total: int, m: dict) -> str:
+    nan = float("nan")
+    return (
+        f"replay step {step:>3} ({i + 1}/{total})  reward {m['reward_mean']:.3f}  samples {int(m['samples'])}"
+        f"  loss {m.get('train/loss', nan):+.4f}  grad {m.get('train/grad_norm', nan):.3f}"
+        f"  |dlogp| {m.get('train/logprob_mismatch', nan):.3f}  v{int(m['weight_version'])}  {m['time/step_s']:.1f}s"
+    )
+
+
+@flow(name="sluiceway-replay", log_prints=False)
+def replay_flow(config: dict) -> dict:
+    """Train on the stored trajectories `config.replay` names (a RunConfig as a dict), from the last checkpoint."""
+    cfg = validate_for(config, "replay")
+    if not cfg.algorithm.use_tis:
+        log.warning("replay without use_tis: the stored samples are trained as if the current policy made them")
+    prep = _PREPARED.pop(cfg.run_id, None) or prepare_replay(cfg)
+    run = ReplayRun.create(cfg, prep)
+    _RUNS[cfg.run_id] = run
+    steps, trained = prep.source.steps, 0
+    try:
+        start, interval = run.resume(), cfg.training.save_interval
+        for i in range(start, len(steps)):
+            t0 = time.perf_counter()
+            m = replay_train_task(cfg.run_id, steps[i])
+            if interval and ((i + 1) % interval == 0 or i + 1 == len(steps)):
+                checkpoint_task(cfg.run_id, steps[i])
+            m["time/step_s"] = time.perf_counter() - t0
+            append_metrics(prep.store, cfg.run_id, steps[i], m, tag="replay")
+            trained += 1
+            if not cfg.logging.quiet:
+                print(format_step(steps[i], i, len(steps), m), flush=True)
+        weights = publish_task(cfg.run_id)
+    finally:
+        run = _RUNS.pop(cfg.run_id, None)
+        if run is not None and isinstance(run.trainer, RemoteTrainer):
+            run.trainer.close()
+    return {
+        "run_id": cfg.run_id,
+        "steps": trained,
+        "total_steps": len(steps),
+        "source": f"{prep.source.run_id} @ {prep.tables} v{prep.source.version}",
+        "weights": weights,
+        "tables": cfg.tables_uri,
+        "final_weight_version": run.trainer.weight_version,
+    }

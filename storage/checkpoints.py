@@ -1,0 +1,86 @@
+"""Trainer checkpoints on the object store, so a run resumes on a machine that never saw its local disk.
+
+Layout under the store root:
+
+    checkpoints/<run_id>/step_000012/{meta.json, tp0.pt, ...}   one directory per saved step
+    checkpoints/<run_id>/latest.json                            {"step": 12, "dir": "step_000012"}
+
+An object store has no atomic directory rename, so a step's files are uploaded first and the `latest.json`
+pointer is written last: a reader following the pointer never sees a half-uploaded checkpoint. Older steps
+beyond `keep` are deleted after the pointer moves.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from sluiceway.storage.object_store import ObjectStore
+
+
+def _fs_path(store: ObjectStore, *parts: str) -> str:
+    path = store.join(*parts)
+    return path.removeprefix("s3://")
+
+
+def upload_checkpoint(store: ObjectStore, run_id: str, local_dir: Path, step: int, keep: int = 2) -> str:
+    """Copy the checkpoint directory `local_dir` (written by the trainer's `save`) to the store; return its URI."""
+    fs = store.filesystem()
+    name = f"step_{step:06d}"
+    with store.redacting():
+        target = _fs_path(store, "checkpoints", run_id, name)
+        fs.makedirs(target, exist_ok=True)
+        for f in sorted(Path(local_dir).iterdir()):
+            fs.put_file(str(f), f"{target}/{f.name}")
+        pointer = json.dumps({"step": step, "dir": name})
+        with fs.open(_fs_path(store, "checkpoints", run_id, "latest.json"), "w") as out:
+            out.write(pointer)
+        # The step just written counts even if the store's listing does not show it yet.
+        for old in sorted(set(_step_dirs(store, run_id)) | {name})[:-keep]:
+            path = _fs_path(store, "checkpoints", run_id, old)
+            fs.invalidate_cache(path)  # a cached (stale) listing would make the recursive delete miss files
+            fs.rm(path, recursive=True)
+    return store.join("checkpoints", run_id, name)
+
+
+def _step_dirs(store: ObjectStore, run_id: str) -> list[str]:
+    fs = store.filesystem()
+    base = _fs_path(store, "checkpoints", run_id)
+    fs.invalidate_cache(base)  # s3fs caches listings; steps come and go under this prefix
+    names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(base, detail=False)]
+    return sorted(n for n in names if n.startswith("step_"))
+
+
+def latest_checkpoint_step(store: ObjectStore, run_id: str) -> int | None:
+    """The step of the newest complete checkpoint on the store, or None."""
+    fs = store.filesystem()
+    pointer = _fs_path(store, "checkpoints", run_id, "latest.json")
+    with store.redacting():
+        fs.invalidate_cache(pointer)
+        if not fs.exists(pointer):
+            return None
+        with fs.open(pointer) as f:
+            return int(json.loads(f.read())["step"])
+
+
+def download_checkpoint(store: ObjectStore, run_id: str, local_dir: Path) -> int | None:
+    """Fetch the newest complete checkpoint into `local_dir` (replacing it); its step, or None if there is none."""
+    fs = store.filesystem()
+    pointer = _fs_path(store, "checkpoints", run_id, "latest.json")
+    with store.redacting():
+        fs.invalidate_cache(pointer)
+        if not fs.exists(pointer):
+            return None
+        with fs.open(pointer) as f:
+            info = json.loads(f.read())
+        source = _fs_path(store, "checkpoints", run_id, info["dir"])
+        fs.invalidate_cache(source)
+        tmp = local_dir.with_name(local_dir.name + ".download")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for remote in fs.ls(source, detail=False):
+            fs.get_file(remote, str(tmp / remote.rstrip("/").rsplit("/", 1)[-1]))
+    shutil.rmtree(local_dir, ignore_errors=True)
+    tmp.rename(local_dir)
+    return int(info["step"])

@@ -1,0 +1,276 @@
+"""Token-level advantages for the trainer: PPO with a critic (GAE) and REINFORCE++ (KL-shaped returns).
+
+The trainer plans its micro-batches first, then `token_advantages` overwrites each micro-batch's broadcast
+advantages with per-token ones; the PPO-clip loss (dual clip, TIS, KL loss, entropy, aggregation) then runs on them
+unchanged. Per-token rewards are the sample's reward on its last trained token minus `kl_coef` x KL(policy ||
+reference) on every trained token (slime's reward-side KL; the policy log-probs are the trainer's, before the
+step). Whitening is over every trained token of the rollout, all data-parallel ranks together (sums all-reduced),
+so a micro-batch's advantages do not depend on how the batch was split.
+
+`Critic` is the value model: the policy's GPTModel with a scalar head (models/value_model.py), fp32 master weights
+and an AdamW of its own, trained after each policy optimizer step on the same micro-batches with the clipped
+value loss against the GAE returns.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
+from sluiceway.models.hf_megatron import hf_to_megatron
+from sluiceway.models.megatron_gpt import allreduce_gradients
+from sluiceway.models.value_model import build_value_model, init_value_head, token_values
+from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS, gae, reinforce_pp_returns, terminal_rewards
+from sluiceway.tasks.train.losses import aggregate, kl_penalty, value_loss
+from sluiceway.tasks.train.parallel import grad_norm, is_tensor_parallel, reduce_step_metrics
+
+if TYPE_CHECKING:
+    from sluiceway.tasks.train.trainer import _MicroBatch
+
+LogProbFn = Callable[["_MicroBatch"], torch.Tensor]
+
+
+def needs_reference(a: AlgorithmConfig) -> bool:
+    """A frozen reference model is needed for the KL loss, or for the reward-side KL of the token-level estimators."""
+    return a.use_kl_loss or (a.advantage_estimator in TOKEN_LEVEL_ESTIMATORS and a.kl_coef > 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sums over the data-parallel group (a no-op on one rank)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _dp_reduce(t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    if parallel_state.get_data_parallel_world_size() > 1:
+        dist.all_reduce(t, op=op, group=parallel_state.get_data_parallel_group())
+    return t
+
+
+def _masked_sums(xs: list[torch.Tensor], masks: list[torch.Tensor], *fns: Callable) -> list[float]:
+    """[count, sum fn_1(x), sum fn_2(x), ...] over the masked tokens of every tensor, all DP ranks, float64."""
+    rows = [torch.stack([m.double().sum()] + [(f(x).double() * m).sum() for f in fns]) for x, m in zip(xs, masks)]
+    return _dp_reduce(torch.stack(rows).sum(0) if rows else torch.zeros(len(fns) + 1, dtype=torch.float64)).tolist()
+
+
+def whiten(xs: list[torch.Tensor], masks: list[torch.Tensor], eps: float = 1e-6) -> list[torch.Tensor]:
+    """`advantages.masked_whiten` over several tensors (and DP ranks) at once: one mean and population std."""
+    n, s = _masked_sums(xs, masks, lambda x: x)
+    mean = s / max(n, 1.0)
+    _, sq = _masked_sums(xs, masks, lambda x: (x.double() - mean).square())
+    std = math.sqrt(sq / max(n, 1.0))
+    return [((x.double() - mean) / (std + eps) * m).to(x.dtype) for x, m in zip(xs, masks)]
+
+
+def _masked_extremes(xs: list[torch.Tensor], masks: list[torch.Tensor]) -> tuple[float, float]:
+    """(min, max) over the masked tokens of every tensor, all DP ranks (a rank may hold no tokens: +-inf)."""
+    hi = max((float(x[m > 0].max()) for x, m in zip(xs, masks) if (m > 0).any()), default=-math.inf)
+    lo = min((float(x[m > 0].min()) for x, m in zip(xs, masks) if (m > 0).any()), default=math.inf)
+    t = _dp_reduce(torch.tensor([hi, -lo], dtype=torch.float64), dist.ReduceOp.MAX).tolist()
+    return (-t[1], t[0]) if math.isfinite(t[0]) else (0.0, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Advantages
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ValueTargets:
+    """What the critic regresses on, per micro-batch, in the per-sample layout [n, w-1]."""
+
+    old_values: torch.Tensor  # the critic's values before this rollout's updates (the clip's centre)
+    returns: torch.Tensor  # GAE returns A + V, before whitening
+
+
+def reward_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, kl_type: str) -> torch.Tensor:
+    """Per-token KL(policy || reference) estimate on the trained tokens, no gradient."""
+    return kl_penalty(logp.detach().float(), ref_logp.detach().float(), kl_type) * mask
+
+
+@torch.no_grad()
+def token_advantages(
+    steps: list[list[_MicroBatch]],
+    algorithm: AlgorithmConfig,
+    policy_logp: LogProbFn,
+    ref_logp: LogProbFn | None,
+    critic: Critic | None,
+    old_logps: list[list[torch.Tensor] | None] | None = None,
+) -> tuple[list[list[ValueTargets]] | None, dict[str, float]]:
+    """Overwrite every micro-batch's `advantages` with per-token ones (whitened over the rollout); return the
+    critic's targets (ppo; grouped like `steps`) and metrics. `old_logps`: the policy's log-probs per micro-batch
+    when the trainer already has them (else `policy_logp` computes them, only when kl_coef > 0)."""
+    a = algorithm
+    batches = [mb for st in steps for mb in st]
+    olds = [lp for st, lps in zip(steps, old_logps or [None] * len(steps)) for lp in (lps or [None] * len(st))]
+    masks = [mb.mask for mb in batches]
+    shaping = a.kl_coef > 0
+    if shaping and ref_logp is None:
+        raise ValueError("kl_coef > 0 needs the reference model's log-probs")
+    kls = [
+        reward_kl(old if old is not None else policy_logp(mb), ref_logp(mb), mb.mask, a.kl_loss_type)
+        if shaping
+        else torch.zeros_like(mb.mask)
+        for mb, old in zip(batches, olds)
+    ]
+    metrics: dict[str, float] = {}
+    targets = None
+    if a.advantage_estimator == "ppo":
+        if critic is None:
+            raise ValueError("advantage_estimator ppo needs a critic")
+        values = [critic.values(mb) for mb in batches]
+        rewards = [terminal_rewards(mb.rewards, mb.mask) - a.kl_coef * kl for mb, kl in zip(batches, kls)]
+        pairs = [gae(r, v, m, gamma=a.gamma, lam=a.lambd) for r, v, m in zip(rewards, values, masks)]
+        raw = [p[0] for p in pairs]
+        metrics |= value_metrics(values, [p[1] for p in pairs], masks)
+        flat = iter([ValueTargets(v, p[1]) for v, p in zip(values, pairs)])
+        targets = [[next(flat) for _ in st] for st in steps]
+    elif a.advantage_estimator == "reinforce_plus_plus":
+        raw = [
+            reinforce_pp_returns(mb.rewards, mb.mask, kl, a.kl_coef, gamma=a.gamma, whiten=False)
+            for mb, kl in zip(batches, kls)
+        ]
+    else:
+        raise ValueError(f"{a.advantage_estimator!r} is not a token-level estimator")
+    advs = whiten(raw, masks)
+    for mb, adv in zip(batches, advs):
+        mb.advantages.copy_(adv)
+    n, s, sq = _masked_sums(advs, masks, lambda x: x, lambda x: x.square())
+    lo, hi = _masked_extremes(advs, masks)
+    mean = s / max(n, 1.0)
+    metrics |= {"adv_mean": mean, "adv_std": math.sqrt(max(sq / max(n, 1.0) - mean**2, 0.0))}
+    metrics |= {"adv_min": lo, "adv_max": hi}
+    if a.kl_coef > 0:
+        n, k = _masked_sums(kls, masks, lambda x: x)
+        metrics["reward_kl"] = k / max(n, 1.0)
+    return targets, metrics
+
+
+def value_metrics(
+    values: list[torch.Tensor], returns: list[torch.Tensor], masks: list[torch.Tensor]
+) -> dict[str, float]:
+    """Mean value and return, and explained variance 1 - Var(R - V) / Var(R), over the rollout's trained tokens
+    (NaN when every return is the same: nothing to explain)."""
+    diffs = [r - v for r, v in zip(returns, values)]
+    n, sv = _masked_sums(values, masks, lambda x: x)
+    _, sr, sr2 = _masked_sums(returns, masks, lambda x: x, lambda x: x.square())
+    _, sd, sd2 = _masked_sums(diffs, masks, lambda x: x, lambda x: x.square())
+    n = max(n, 1.0)
+    var_r = sr2 / n - (sr / n) ** 2
+    var_d = sd2 / n - (sd / n) ** 2
+    explained = 1.0 - var_d / var_r if var_r > 1e-12 else float("nan")
+    return {"value_mean": sv / n, "returns_mean": sr / n, "explained_var": explained}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The critic
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class Critic:
+    """The value model, its fp32 master weights, AdamW and LR schedule (the policy's schedule, at critic_lr)."""
+
+    def __init__(
+        self,
+        hf_config: Any,
+        hf_state: dict[str, torch.Tensor],
+        training: TrainingConfig,
+        algorithm: AlgorithmConfig,
+        device: torch.device,
+        lr_lambda: Callable[[int], float],
+    ):
+        self.training, self.algorithm = training, algorithm
+        dtype = torch.bfloat16 if training.bf16 else torch.float32
+        head = init_value_head(hf_config.hidden_size, training.seed)
+        self.model = build_value_model(hf_config, hf_state, head, dtype=dtype, device=device)
+        self.param_names = [n for n, _ in self.model.named_parameters()]
+        params = [p for _, p in self.model.named_parameters()]
+        self.mixed_precision = training.bf16
+        if self.mixed_precision:
+            # As the policy: masters from the fp32 weights, not from their bf16 rounding.
+            tp_rank = parallel_state.get_tensor_model_parallel_rank()
+            tp_size = parallel_state.get_tensor_model_parallel_world_size()
+            full = hf_to_megatron(hf_state, hf_config, tp_rank=tp_rank, tp_size=tp_size)
+            full["output_layer.weight"] = head  # the head, not an untied model's LM head
+            self.master = [full[n].detach().float().to(device).clone() for n in self.param_names]
+        else:
+            self.master = params
+        self.tp_flags = [is_tensor_parallel(p) for p in params]
+        lr = algorithm.critic_lr if algorithm.critic_lr is not None else training.lr
+        self.optimizer = torch.optim.AdamW(
+            self.master, lr=lr, weight_decay=training.weight_decay, betas=(training.adam_beta1, training.adam_beta2)
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda)
+        self.rollouts_trained = 0  # for the critic-only warm-up (num_critic_only_steps)
+
+    @property
+    def warming_up(self) -> bool:
+        """Whether this rollout trains the critic alone (the first num_critic_only_steps rollouts)."""
+        return self.rollouts_trained < self.algorithm.num_critic_only_steps
+
+    def values(self, mb: _MicroBatch) -> torch.Tensor:
+        """Per-token values in the micro-batch's per-sample layout [n, w-1], fp32 (differentiable)."""
+        return mb.per_sample(token_values(self.model, mb.input_ids, mb.attention_mask))
+
+    def train_step(self, batches: list[_MicroBatch], targets: list[ValueTargets], n_tokens: float) -> dict[str, float]:
+        """One optimizer step of the clipped value loss (token mean over the step's trained tokens, all ranks)."""
+        self.model.train()
+        sums = {"value_loss": 0.0, "value_clipfrac": 0.0}
+        for mb, tg in zip(batches, targets):
+            per_token, clipped = value_loss(
+                self.values(mb), tg.old_values, tg.returns, mb.mask, self.algorithm.value_clip
+            )
+            loss = aggregate(per_token, mb.mask, "token_mean", n_tokens)
+            loss.backward()
+            sums["value_loss"] += loss.item()
+            sums["value_clipfrac"] += float(clipped.sum()) / max(n_tokens, 1.0)
+        sums = reduce_step_metrics(sums)
+        sums["critic_lr"] = self.optimizer.param_groups[0]["lr"]
+        sums["critic_grad_norm"] = float(self.step())
+        if not math.isfinite(sums["value_loss"]):
+            raise FloatingPointError(f"non-finite value loss {sums['value_loss']}")
+        return sums
+
+    def step(self) -> torch.Tensor:
+        """Reduce gradients over DP, clip (TP-aware norm), AdamW on the masters, copy back; returns the grad norm."""
+        allreduce_gradients(self.model)
+        model_params = [p for _, p in self.model.named_parameters()]
+        if self.mixed_precision:
+            for p, m in zip(model_params, self.master):
+                m.grad = None if p.grad is None else p.grad.float()
+                p.grad = None
+        total_norm = grad_norm(self.master, self.tp_flags)
+        if self.training.clip_grad > 0:
+            with_grad = [m for m in self.master if m.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(with_grad, self.training.clip_grad, total_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.mixed_precision:
+            with torch.no_grad():
+                for p, m in zip(model_params, self.master):
+                    p.copy_(m)
+        return total_norm
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": {n: m.detach() for n, m in zip(self.param_names, self.master)},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rollouts_trained": self.rollouts_trained,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for n, m, p in zip(self.param_names, self.master, self.model.parameters()):
+                m.copy_(state["model"][n])
+                p.copy_(m)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.rollouts_trained = state["rollouts_trained"]

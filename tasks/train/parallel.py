@@ -1,0 +1,121 @@
+"""What tensor and data parallelism change in a training step: who trains which samples, and what gets reduced.
+
+Every rank of the trainer's process group receives the whole step's samples and makes the same plan from them
+(same shuffle, same micro-batches). A data-parallel rank then trains only its share of the micro-batches; the
+ranks of one tensor-parallel group share a DP rank and so train the same micro-batches. Losses are normalised
+by global counts (tokens or sequences of the whole optimizer step), so summing gradients over DP ranks gives the
+full-batch gradient exactly (see models.megatron_gpt.allreduce_gradients).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# megatron.core by way of megatron_gpt, whose import silences megatron's expected no-Apex/TE warnings on CPU.
+from sluiceway.models.megatron_gpt import parallel_state
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    samples: list[int]  # indices into the optimizer step's samples
+    rows: list[list[int]] | None  # packed rows (indices into `samples`), or None for one sample per row
+    tokens: int  # tokens the forward pass processes, padding included
+
+
+def plan_micro_batches(lengths: list[int], micro_batch_size: int, max_tokens: int | None) -> list[MicroBatchPlan]:
+    """Split an optimizer step's samples (their lengths, prompt + response) into micro-batches.
+
+    Without `max_tokens`: consecutive runs of `micro_batch_size` samples, one per row. With it (packing): samples,
+    longest first, are packed first-fit into rows of at most `max_tokens` tokens, one row per micro-batch; a sample
+    longer than the budget gets a row of its own rather than being dropped.
+    """
+    if not max_tokens:
+        out = []
+        for start in range(0, len(lengths), micro_batch_size):
+            idx = list(range(start, min(start + micro_batch_size, len(lengths))))
+            out.append(MicroBatchPlan(idx, None, len(idx) * max(lengths[i] for i in idx)))
+        return out
+    rows: list[list[int]] = []
+    fill: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for r, used in enumerate(fill):
+            if used + lengths[i] <= max_tokens:
+                rows[r].append(i)
+                fill[r] += lengths[i]
+                break
+        else:
+            rows.append([i])
+            fill.append(lengths[i])
+    return [MicroBatchPlan(row, [list(range(len(row)))], used) for row, used in zip(rows, fill)]
+
+
+def shard_for_rank(plans: list[MicroBatchPlan], dp_size: int, dp_rank: int) -> list[MicroBatchPlan]:
+    """This DP rank's micro-batches: the heaviest first, each to the least-loaded rank (ties to the lower rank).
+
+    Deterministic, so every rank computes the same assignment without talking to the others.
+    """
+    if dp_size == 1:
+        return plans
+    load = [0] * dp_size
+    mine = []
+    for i in sorted(range(len(plans)), key=lambda i: (-plans[i].tokens, i)):
+        rank = min(range(dp_size), key=lambda r: (load[r], r))
+        load[rank] += plans[i].tokens
+        if rank == dp_rank:
+            mine.append(i)
+    return [plans[i] for i in sorted(mine)]
+
+
+def grad_norm(params: list[torch.Tensor], tp_flags: list[bool]) -> torch.Tensor:
+    """L2 norm of all gradients of the full (unsharded) model, the same on every rank.
+
+    A tensor-parallel shard holds part of a weight, so its squared norm is summed over the TP group; replicated
+    weights (norms) have identical gradients on every TP rank and count once.
+    """
+    sharded = [p.grad.float().pow(2).sum() for p, tp in zip(params, tp_flags) if tp and p.grad is not None]
+    replicated = [p.grad.float().pow(2).sum() for p, tp in zip(params, tp_flags) if not tp and p.grad is not None]
+    sq_sharded = torch.stack(sharded).sum() if sharded else torch.zeros(())
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(sq_sharded, group=parallel_state.get_tensor_model_parallel_group())
+    sq = sq_sharded + (torch.stack(replicated).sum() if replicated else torch.zeros(()))
+    return sq.sqrt()
+
+
+def is_tensor_parallel(param: torch.nn.Parameter) -> bool:
+    """Whether megatron sharded this parameter over the TP group (its own attribute, set by the parallel layers)."""
+    return bool(getattr(param, "tensor_model_parallel", False)) and (
+        parallel_state.get_tensor_model_parallel_world_size() > 1
+    )
+
+
+def reduce_step_metrics(sums: dict[str, float], max_keys: tuple[str, ...] = ()) -> dict[str, float]:
+    """Sum the per-rank metric contributions over the DP group (`max_keys`: take the max instead).
+
+    Metrics are accumulated as shares of global counts, so the DP sum is the step's value.
+    """
+    if parallel_state.get_data_parallel_world_size() == 1:
+        return sums
+    group = parallel_state.get_data_parallel_group()
+    keys = sorted(k for k in sums if k not in max_keys)
+    t = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    out = dict(zip(keys, t.tolist()))
+    for k in max_keys:
+        m = torch.tensor([sums[k]], dtype=torch.float64)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        out[k] = float(m)
+    return out
+
+
+def gather_tensor_parallel(state: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """Every TP rank's `state`, in TP rank order (a list of one at TP=1)."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return [state]
+    out: list = [None] * tp
+    group = parallel_state.get_tensor_model_parallel_group()
+    dist.all_gather_object(out, {k: v.cpu() for k, v in state.items()}, group=group)
+    return out

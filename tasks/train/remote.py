@@ -1,0 +1,169 @@
+"""The driver's handle on a torchrun trainer process group (tasks/train/worker.py): same methods as PolicyTrainer.
+
+The flow process starts the group once per run and drives it step after step; the model is never rebuilt. The
+control channel is a loopback socket authenticated with a random key passed through the environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Client
+from pathlib import Path
+from typing import Any
+
+from sluiceway.infra.proc import die_with_parent
+from sluiceway.tasks.train.worker import recv, send
+
+
+def _two_free_ports() -> tuple[int, int]:
+    """Two distinct free loopback ports (asked for while both are held, so they cannot be the same one)."""
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        return a.getsockname()[1], b.getsockname()[1]
+
+
+class TrainerGroupError(RuntimeError):
+    """The trainer process group failed; the message carries the remote error or the tail of its log."""
+
+
+class RemoteTrainer:
+    def __init__(
+        self,
+        init_kwargs: dict[str, Any],
+        nproc: int,
+        work_dir: str | Path,
+        threads_per_proc: int = 1,
+        start_timeout_s: float = 600.0,
+    ):
+        """Start `nproc` ranks with torchrun; `init_kwargs` are PolicyTrainer's arguments (configs as dicts)."""
+        self.work_dir = Path(work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        init_file = self.work_dir / "trainer_init.json"
+        init_file.write_text(json.dumps(init_kwargs, default=str))
+        self.log_path = self.work_dir / "trainer.log"
+        key = secrets.token_bytes(32)
+        control_port, master_port = _two_free_ports()
+        control = ("127.0.0.1", control_port)
+        env = dict(
+            os.environ,
+            SLUICEWAY_TRAINER_INIT=str(init_file),
+            SLUICEWAY_TRAINER_CONTROL=f"{control[0]}:{control[1]}",
+            SLUICEWAY_TRAINER_AUTHKEY=key.hex(),
+            SLUICEWAY_TRAINER_THREADS=str(threads_per_proc),
+            OMP_NUM_THREADS=str(threads_per_proc),
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={master_port}",
+            "-m",
+            "sluiceway.tasks.train.worker",
+        ]
+        self._log = open(self.log_path, "ab")
+        # torchrun stops its ranks on SIGTERM, which the kernel sends if the flow process dies (infra/proc.py).
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+        )
+        self.conn = None
+        try:
+            self.conn = self._connect(control, key, start_timeout_s)
+            self.world_size = self._reply()["world_size"]
+        except BaseException:
+            self.close()
+            raise
+        self.weight_version = 0
+
+    def _connect(self, address: tuple[str, int], key: bytes, timeout_s: float):
+        # Rank 0 listens only once its model is built; until then connections are refused.
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise TrainerGroupError(f"trainer group exited with {self.proc.returncode} at start{self._log_tail()}")
+            try:
+                return Client(address, authkey=key)
+            except (ConnectionRefusedError, FileNotFoundError):
+                if time.monotonic() > deadline:
+                    msg = f"trainer group did not start within {timeout_s:.0f}s{self._log_tail()}"
+                    raise TrainerGroupError(msg) from None
+                time.sleep(0.2)
+
+    def _log_tail(self, lines: int = 30) -> str:
+        try:
+            tail = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return f"; last lines of {self.log_path}:\n" + "\n".join(tail)
+
+    def _reply(self) -> Any:
+        try:
+            status, value = recv(self.conn)
+        except (EOFError, ConnectionError, OSError):
+            self.proc.wait(timeout=60)
+            raise TrainerGroupError(f"trainer group died (exit {self.proc.returncode}){self._log_tail()}") from None
+        if status == "error":
+            raise TrainerGroupError(f"trainer rank 0: {value}")
+        return value
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        send(self.conn, ("call", method, args, kwargs))
+        return self._reply()
+
+    # PolicyTrainer's interface ------------------------------------------------------------------------------
+    def train_rollout(self, samples: list, step: int) -> dict[str, float]:
+        metrics = self._call("train_rollout", samples, step)
+        self._refresh()
+        return metrics
+
+    def train_sft(self, samples: list, step: int) -> dict[str, float]:
+        metrics = self._call("train_sft", samples, step)
+        self._refresh()
+        return metrics
+
+    def gradients(self, samples: list, step: int):
+        return self._call("gradients", samples, step)
+
+    def save(self, path: str | Path, step: int) -> None:
+        self._call("save", str(path), step)
+
+    def load(self, path: str | Path) -> int:
+        step = self._call("load", str(path))
+        self._refresh()
+        return step
+
+    def write_weights(self, hf_dir: str | Path, root: str | Path) -> Path:
+        return Path(self._call("write_weights", str(hf_dir), str(root)))
+
+    def _refresh(self) -> None:
+        self.weight_version = self._call("state")["weight_version"]
+
+    def close(self) -> None:
+        """Stop the group: politely over the control channel, then by signal if it does not exit."""
+        conn = self.conn
+        if conn is not None:
+            try:
+                send(conn, ("stop",))
+                conn.close()
+            except OSError:
+                pass
+            self.conn = None
+        if self.proc.poll() is None:
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+        self._log.close()

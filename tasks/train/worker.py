@@ -1,0 +1,109 @@
+"""One rank of the long-lived trainer process group (started by torchrun; see tasks/train/remote.py).
+
+Every rank builds its PolicyTrainer from the JSON file the driver wrote (this joins the process group), then rank
+0 listens on a loopback control socket for the driver (the flow process), which sends `("call", method, args,
+kwargs)` ... `("stop",)`. Rank 0 broadcasts each command to the other ranks, every rank runs it (so the
+collectives inside line up), and rank 0 sends the result back. The model is built once and lives as long as
+the group does.
+
+    SLUICEWAY_TRAINER_INIT      JSON file of PolicyTrainer's arguments (configs as dicts; no secrets)
+    SLUICEWAY_TRAINER_CONTROL   host:port rank 0 listens on (loopback)
+    SLUICEWAY_TRAINER_AUTHKEY   hex key the driver must present (kept out of argv, so out of `ps` and logs)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+import traceback
+from multiprocessing.connection import Listener
+
+import torch
+import torch.distributed as dist
+
+# What the driver may call: the trainer's public steps, nothing else.
+ALLOWED = {"train_rollout", "train_sft", "gradients", "save", "load", "write_weights", "state"}
+
+
+def _build(kwargs: dict):
+    from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
+    from sluiceway.tasks.train.trainer import PolicyTrainer
+
+    kwargs = dict(kwargs)
+    kwargs["training"] = TrainingConfig.model_validate(kwargs["training"])
+    kwargs["algorithm"] = AlgorithmConfig.model_validate(kwargs["algorithm"])
+    return PolicyTrainer(**kwargs)
+
+
+def send(conn, obj) -> None:
+    """Plain pickle, not Connection.send: torch registers shared-memory reducers with multiprocessing's pickler,
+    which would hand tensors over as file descriptors that a process outside this group cannot open."""
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv(conn):
+    return pickle.loads(conn.recv_bytes())
+
+
+def _broadcast(obj):
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def serve() -> None:
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(int(os.environ.get("SLUICEWAY_TRAINER_THREADS", "1")))
+    with open(os.environ["SLUICEWAY_TRAINER_INIT"]) as f:
+        init = json.load(f)
+    trainer, failure = None, None
+    try:
+        trainer = _build(init)  # every rank: this joins the process group
+    except Exception as exc:
+        failure = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        if rank != 0:
+            raise
+    if rank != 0:
+        _follow(trainer)
+        return
+    host, port = os.environ["SLUICEWAY_TRAINER_CONTROL"].rsplit(":", 1)
+    key = bytes.fromhex(os.environ.pop("SLUICEWAY_TRAINER_AUTHKEY"))
+    with Listener((host, int(port)), authkey=key) as listener, listener.accept() as conn:
+        if failure is not None:
+            send(conn, ("error", failure))
+            return
+        print(f"trainer group ready: {dist.get_world_size()} ranks, tensor parallel {trainer.tp_size}", flush=True)
+        send(conn, ("ok", {"world_size": dist.get_world_size()}))
+        while True:
+            msg = _broadcast(recv(conn))
+            if msg[0] == "stop":
+                break
+            send(conn, _run(trainer, msg))
+    dist.destroy_process_group()
+
+
+def _follow(trainer) -> None:
+    """Ranks other than 0: run whatever rank 0 broadcasts until told to stop."""
+    while True:
+        msg = _broadcast(None)
+        if msg[0] == "stop":
+            break
+        _run(trainer, msg)
+    dist.destroy_process_group()
+
+
+def _run(trainer, msg: tuple) -> tuple[str, object]:
+    _, method, args, kwargs = msg
+    try:
+        if method not in ALLOWED:
+            raise ValueError(f"trainer method {method!r} is not callable remotely")
+        return "ok", getattr(trainer, method)(*args, **kwargs)
+    except Exception as exc:  # reported to the driver, which raises it there
+        return "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+
+
+if __name__ == "__main__":
+    serve()
+    sys.exit(0)

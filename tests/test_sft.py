@@ -1,0 +1,171 @@
+"""Supervised fine-tuning: loss masks from the chat template, record formats, one-line errors, learning on
+tiny-llama, and `sluiceway sft` end to end through the real CLI and Prefect (metrics, weights, resume)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
+from sluiceway.flows.errors import UserError
+from sluiceway.models.chat import encode_prompt, render_prompt
+from sluiceway.models.megatron_gpt import token_logprobs
+from sluiceway.models.zoo import load_hf_model, load_tokenizer, resolve_checkpoint
+from sluiceway.storage.datasets import import_prompts, load_prompts
+from sluiceway.storage.metrics import read_metrics
+from sluiceway.storage.object_store import ObjectStore
+from sluiceway.tasks.train.sft_data import SftSettings, encode_row, sft_samples
+from sluiceway.tasks.train.trainer import PolicyTrainer, collate
+
+TWO_TURNS = [
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "The answer is 5."},
+    {"role": "user", "content": "And 4 + 4?"},
+    {"role": "assistant", "content": "8"},
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    path = resolve_checkpoint("tiny-llama", cache_dir=cache)
+    return path, load_tokenizer(path), cache
+
+
+def trained_runs(tok, ids, mask):
+    """The decoded text of each run of consecutive trained tokens."""
+    runs, cur = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs, cur = runs + [cur], []
+    runs += [cur] if cur else []
+    return [tok.decode(r) for r in runs]
+
+
+def test_two_turn_loss_mask(tiny):
+    _, tok, _ = tiny
+    ids, mask = encode_row(tok, {"messages": TWO_TURNS}, SftSettings(), "f.jsonl:1", has_response=False)
+    assert len(ids) == len(mask)
+    # Trained: each assistant content and its end-of-turn token; not the header, not the newline after.
+    assert trained_runs(tok, ids, mask) == ["The answer is 5.<|im_end|>", "8<|im_end|>"]
+    im_start, im_end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    header = [im_start] + tok.encode("assistant\n", add_special_tokens=False)
+    for start in [i for i in range(len(ids)) if ids[i : i + len(header)] == header]:
+        assert mask[start : start + len(header)] == [0] * len(header)  # headers are never trained
+        assert mask[start + len(header)] == 1  # the content right after is
+    assert ids[-1] == im_end and mask[-1] == 1  # the sample ends at the last trained token
+    # The prompt part is exactly the tokens the engine is given for the first user turn (token-in, token-out).
+    prompt = encode_prompt(tok, render_prompt(tok, TWO_TURNS[:1], apply_chat_template=True))
+    assert ids[: len(prompt)] == prompt and sum(mask[: len(prompt)]) == 0
+    text = tok.apply_chat_template(TWO_TURNS, tokenize=False)
+    assert tok.decode(ids) == text.removesuffix("\n")
+
+
+def test_prompt_response_records(tiny, tmp_path):
+    _, tok, _ = tiny
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(
+        json.dumps({"prompt": "What is 1 + 1?", "response": "The answer is 2."})
+        + "\n"
+        + json.dumps({"prompt": [{"role": "user", "content": "Hi"}], "response": "Hello!"})
+        + "\n"
+    )
+    store = ObjectStore.from_uri(str(tmp_path / "tables"))
+    import_prompts(data, store, "datasets/pairs", input_key="prompt", label_key="response")
+    rows = load_prompts(store, "datasets/pairs")
+    where = lambda row: f"{data}:{row['prompt_id'].rsplit(':', 1)[1]}"  # noqa: E731
+    chat = sft_samples(rows, tok, SftSettings(apply_chat_template=True), where, has_response=True)
+    texts = [tok.decode(s.response_ids) for s in chat]
+    assert texts == ["The answer is 2.<|im_end|>", "Hello!<|im_end|>"]
+    assert tok.decode(chat[0].prompt_ids).endswith("<|im_start|>assistant\n")
+    # A text prompt without the chat template is a completion: response, then EOS.
+    plain = sft_samples(rows[:1], tok, SftSettings(), where, has_response=True)[0]
+    assert tok.decode(plain.prompt_ids) == "What is 1 + 1?"
+    assert tok.decode(plain.response_ids) == "The answer is 2.<|im_end|>" and all(plain.loss_mask)
+    # Over-long: an error naming file and line, or the tail cut when asked.
+    with pytest.raises(UserError, match=r"pairs.jsonl:1: \d+ tokens exceeds --sft-max-len 8"):
+        sft_samples(rows[:1], tok, SftSettings(apply_chat_template=True, max_len=8), where, has_response=True)
+    cut = sft_samples(rows[:1], tok, SftSettings(max_len=9, truncate=True), where, has_response=True)[0]
+    assert len(cut.prompt_ids) + len(cut.response_ids) == 9
+
+
+def sequence_nll(trainer, samples):
+    """Mean NLL per trained token over `samples`, computed here, not by the trainer."""
+    mb = collate(samples, trainer.pad_token_id)
+    with torch.no_grad():
+        lp = token_logprobs(trainer.model, mb.input_ids)
+    return float(-(lp * mb.mask).sum() / mb.mask.sum())
+
+
+def test_sft_steps_lower_the_loss(tiny):
+    path, tok, _ = tiny
+    convs = [
+        [{"role": "user", "content": f"What is {a} + {b}?"}, {"role": "assistant", "content": f"It is {a + b}."}]
+        for a, b in [(1, 2), (3, 4), (5, 1), (2, 2)]
+    ]
+    rows = [{"messages": c, "prompt_id": f"d:{i + 1}"} for i, c in enumerate(convs)]
+    samples = sft_samples(rows, tok, SftSettings(), lambda r: r["prompt_id"], has_response=False)
+    training = TrainingConfig(global_batch_size=4, micro_batch_size=2, lr=1e-2, hf_checkpoint=str(path))
+    trainer = PolicyTrainer(path, training, AlgorithmConfig(loss_type="sft_loss"), 1.0, tok.pad_token_id)
+    before = sequence_nll(trainer, samples)
+    metrics = [trainer.train_sft(samples, step) for step in range(4)]
+    after = sequence_nll(trainer, samples)
+    assert after < before - 0.5, (before, after)
+    assert metrics[0]["loss"] == pytest.approx(before, rel=1e-4)  # the token mean over the global batch
+    assert metrics[0]["tokens"] == sum(sum(s.loss_mask) for s in samples)
+    assert all(m["grad_norm"] > 0 and m["lr"] == 1e-2 and m["tokens_per_s"] > 0 for m in metrics)
+    assert trainer.weight_version == 4
+
+
+def sft_cli(*args, cache, cwd):
+    env = dict(os.environ, SLUICEWAY_CACHE=str(cache))
+    cmd = [sys.executable, "-m", "sluiceway.flows.cli", "sft", *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_bad_record_is_one_line_naming_file_and_line(tiny, tmp_path):
+    _, _, cache = tiny
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"input": TWO_TURNS}) + "\n" + json.dumps({"input": TWO_TURNS[:1]}) + "\n")
+    proc = sft_cli("--prompt-data", str(data), "--output-dir", str(tmp_path / "run"), cache=cache, cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1 and f"{data}:2" in err and "no assistant message" in err, err
+
+
+def test_sft_cli_end_to_end_then_resume(tiny, tmp_path):
+    _, _, cache = tiny
+    data = tmp_path / "chats.jsonl"
+    convs = [
+        [{"role": "user", "content": f"What is {a} + {b}?"}, {"role": "assistant", "content": f"It is {a + b}."}]
+        for a, b in [(1, 2), (3, 4), (5, 1), (2, 2), (6, 3), (0, 7)]
+    ]
+    data.write_text("".join(json.dumps({"input": c}) + "\n" for c in convs))
+    run_dir = tmp_path / "run"
+    args = [
+        "--prompt-data", str(data), "--output-dir", str(run_dir), "--hf-checkpoint", "tiny-llama",
+        "--global-batch-size", "4", "--micro-batch-size", "2", "--num-epoch", "2", "--lr", "1e-2",
+        "--save-interval", "2",
+    ]  # fmt: skip
+    proc = sft_cli(*args, cache=cache, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "sft step    3/3" in proc.stdout and "done: 3 steps" in proc.stdout  # ceil(6 x 2 / 4)
+    store = ObjectStore.from_uri(str(run_dir / "tables"))
+    rows = read_metrics(store, "run").to_pylist()
+    loss = {r["step"]: r["value"] for r in rows if r["name"] == "train/loss"}
+    assert sorted(loss) == [0, 1, 2] and all(v > 0 for v in loss.values())
+    assert {r["value"] for r in rows if r["name"] == "train/samples"} == {4.0}
+    weights = run_dir / "weights" / "v000003"
+    assert (weights / "model.safetensors").is_file() and (weights / "tokenizer_config.json").is_file()
+    load_hf_model(weights)  # a complete HF model directory
+    assert (run_dir / "checkpoints" / "latest").exists()
+    # Run again: it resumes from the final checkpoint and has nothing left to train.
+    again = sft_cli(*args, cache=cache, cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "done: 0 steps (3 in the run" in again.stdout and "sft step" not in again.stdout
+    assert len(read_metrics(store, "run")) == len(rows)
