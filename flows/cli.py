@@ -5,6 +5,7 @@
     sluiceway replay [CONFIG.yaml] --replay-run-id RUN [--replay-version N | --replay-timestamp ISO]
                                                      train on a stored run's trajectories, no engines
     sluiceway eval [CONFIG.yaml] --hf-checkpoint M --eval-prompt-data ...   evaluate a model, no training
+    sluiceway resume RUN_DIR_OR_ID                   run a failed or killed run again from where it stopped
     sluiceway config [CONFIG.yaml] [flags]           print the resolved config as YAML
     sluiceway models                                 list the model zoo
     sluiceway engine --model NAME_OR_DIR [--port N]  serve the embedded engine (SGLang's HTTP API)
@@ -82,6 +83,9 @@ def make_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(cmd, help=help_)
         p.add_argument("config_file", nargs="?", help="YAML run config (flags override it)")
         _add_field_arguments(p)
+    res = sub.add_parser("resume", help="run a failed or killed run again from its first unfinished stage")
+    res.add_argument("run", help="the run's output directory, or its run id (looked up under --runs-root)")
+    res.add_argument("--runs-root", default="runs", help="where run ids are looked up (default ./runs)")
     sub.add_parser("models", help="list the model zoo")
     srv = sub.add_parser("server", help="run a Prefect server and its UI on loopback, home inside the project")
     srv.add_argument("--host", default="127.0.0.1", help="listen address (default loopback only)")
@@ -177,32 +181,45 @@ def main(argv: list[str] | None = None) -> int:
 
             print(render(args.output_dir, args.run_id, args.storage_uri), end="")
             return 0
+        if args.command == "resume":
+            from sluiceway.flows.resume import load_run_record
+
+            command, cfg = load_run_record(args.run, args.runs_root)
+            return _dispatch(command, cfg)
         if args.command == "sft":
             vars(args).setdefault("algorithm.loss_type", "sft_loss")  # what makes the config an SFT one
         cfg = resolve_config(args)
-        if args.command == "sft":
-            from sluiceway.flows.run import run_sft
-
-            run_sft(cfg)
-            return 0
-        if args.command in ("replay", "eval"):
-            from sluiceway.flows.run import run_eval, run_replay
-
-            (run_replay if args.command == "replay" else run_eval)(cfg)
-            return 0
         if args.command == "config":
             print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
             return 0
-        from sluiceway.flows.run import run
-
-        run(cfg)
-        return 0
+        return _dispatch(args.command, cfg)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _dispatch(command: str, cfg: RunConfig) -> int:
+    """Run a flow command; the run record written first is what `sluiceway resume` replays."""
+    from sluiceway.flows.resume import RESUMABLE, save_run_record
+
+    if command in RESUMABLE:
+        save_run_record(cfg, command)
+    if command == "sft":
+        from sluiceway.flows.run import run_sft
+
+        run_sft(cfg)
+    elif command in ("replay", "eval"):
+        from sluiceway.flows.run import run_eval, run_replay
+
+        (run_replay if command == "replay" else run_eval)(cfg)
+    else:
+        from sluiceway.flows.run import run
+
+        run(cfg)
+    return 0
 
 
 if __name__ == "__main__":

@@ -72,6 +72,12 @@ class DataConfig(_Group):
 
 
 class RolloutConfig(_Group):
+    mode: Literal["sync", "one-step-off", "fully-async"] = Field(
+        "sync",
+        description="sync: generate, then train, each step. one-step-off: generate step k+1 while training step "
+        "k (every sample one weight version behind). fully-async: keep generating up to max_staleness steps "
+        "ahead (default 2) while the trainer consumes steps, pushing new weights to the engines as they come.",
+    )
     rollout_batch_size: int = Field(8, ge=1, description="Prompts per rollout step.")
     n_samples_per_prompt: int = Field(8, ge=1, description="Samples per prompt (the GRPO group size).")
     num_rollout: int = Field(10, ge=1, description="Number of rollout steps in the run.")
@@ -259,6 +265,15 @@ class SyncConfig(_Group):
     )
 
 
+class DurabilityConfig(_Group):
+    stage_retries: int = Field(
+        3, ge=0, description="Retries of a stage that failed for a transient reason (engine, HTTP, S3, commit race)."
+    )
+    retry_backoff_s: float = Field(
+        2.0, ge=0.0, description="First retry delay; each further retry waits twice as long (exponential backoff)."
+    )
+
+
 class EvalConfig(_Group):
     eval_interval: int | None = Field(None, ge=1, description="Evaluate every N rollout steps.")
     eval_prompt_data: list[str] | None = Field(
@@ -324,6 +339,7 @@ class RunConfig(_Group):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     storage: StorageSettings = Field(default_factory=StorageSettings)
     sync: SyncConfig = Field(default_factory=SyncConfig)
+    durability: DurabilityConfig = Field(default_factory=DurabilityConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)

@@ -66,6 +66,7 @@ class RolloutEngines:
             raise
         self.loop = BackgroundLoop()
         self.client = self.loop.run(self._make_client())
+        self.weight_version = weight_version  # what the engines serve; set after each update
 
     async def _make_client(self) -> EngineClient:
         return EngineClient(self.router.url, self.pool.urls)  # created on the loop that will use it
@@ -86,6 +87,7 @@ class RolloutEngines:
     def update_weights(self, model_dir: Path, version: int) -> None:
         self.prune_dead()  # a dead engine cannot take the update; the router already routes around it
         self.run(self.client.update_weights_from_disk(str(model_dir), version))
+        self.weight_version = version
 
     def close(self) -> None:
         try:

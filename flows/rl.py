@@ -19,6 +19,7 @@ from sluiceway.flows import runtime
 from sluiceway.flows.artifacts import RunArtifacts
 from sluiceway.flows.config import RunConfig
 from sluiceway.flows.logging_backends import MetricLoggers
+from sluiceway.flows.retry import retry_transient
 from sluiceway.storage.metrics import append_metrics
 from sluiceway.storage.trajectories import read_trajectories
 from sluiceway.tasks.evaluate.evaluate import evaluate
@@ -26,7 +27,7 @@ from sluiceway.tasks.filter.apply import filter_step
 from sluiceway.tasks.filter.filters import build_filters
 from sluiceway.tasks.reward.score import score_step
 from sluiceway.tasks.rollout.rollout import plan_step, prompt_indices_for_step, run_rollout
-from sluiceway.tasks.train.batch import build_train_samples, rollout_metrics
+from sluiceway.tasks.train.batch import build_train_samples, max_staleness, rollout_metrics
 
 # The model state lives in the process, so Prefect must not cache these tasks; idempotency comes from
 # the tables instead (a re-run skips groups and rewards already stored).
@@ -34,6 +35,7 @@ from sluiceway.tasks.train.batch import build_train_samples, rollout_metrics
 
 @task(name="rollout", cache_policy=NO_CACHE, persist_result=False)
 def rollout_task(run_id: str, step: int) -> dict:
+    started = time.time()
     rt = runtime.get(run_id)
     rt.engines.prune_dead()
     s = rt.settings
@@ -43,6 +45,7 @@ def rollout_task(run_id: str, step: int) -> dict:
         idx = prompt_indices_for_step(len(rt.prompts), step, s.groups_submitted, rt.cfg.training.seed)
         new = [rt.prompts[i] for i in idx]
     work = plan_step(rt.store, run_id, step, new, s, rt.prompts)
+    version_at_start = rt.engines.weight_version
     res = rt.engines.run(
         run_rollout(
             group_filter=rt.prep.rollout_filter,
@@ -55,7 +58,8 @@ def rollout_task(run_id: str, step: int) -> dict:
             decode=rt.decode,
         )
     )
-    return dataclasses.asdict(res)
+    # Wall-clock bounds and the weights the engines held at the start: what overlap and staleness are measured by.
+    return dataclasses.asdict(res) | {"started": started, "ended": time.time(), "engine_version": version_at_start}
 
 
 @task(name="reward", cache_policy=NO_CACHE, persist_result=False)
@@ -82,8 +86,12 @@ def train_task(run_id: str, step: int) -> dict:
     a = rt.cfg.algorithm
     samples = build_train_samples(table, a.advantage_estimator, a.normalize_advantages_by_std)
     metrics = rollout_metrics(table)
+    trained_at = rt.trainer.weight_version  # the version these samples update
+    started = time.time()
     metrics.update({f"train/{k}": v for k, v in rt.trainer.train_rollout(samples, step).items()})
     metrics["weight_version"] = float(rt.trainer.weight_version)
+    metrics["time/train_start"], metrics["time/train_end"] = started, time.time()
+    metrics["rollout/staleness_max"] = float(max_staleness(table, trained_at))
     return metrics
 
 
@@ -128,6 +136,58 @@ def eval_task(run_id: str, trained_steps: int) -> dict:
     return m
 
 
+class _Stages:
+    """The stage tasks with the run's retry policy, and the schedule of generation relative to training.
+
+    Generation of a step (rollout, then reward) runs as Prefect futures on the flow's thread pool, chained so
+    that one step's generation starts after the previous step's rewards (the engines serve one step at a time
+    and the curriculum sees rewards in order). Training, filtering and weight sync stay on the flow's thread.
+    How far generation may run ahead of training is the mode: 0 steps (sync), 1 (one-step-off), or
+    max_staleness (fully-async, default 2).
+    """
+
+    def __init__(self, cfg: RunConfig):
+        d = cfg.durability
+        retry = dict(
+            retries=d.stage_retries,
+            retry_delay_seconds=[d.retry_backoff_s * 2**i for i in range(d.stage_retries)],
+            retry_condition_fn=retry_transient,
+        )
+        self.cfg = cfg
+        self.rollout = rollout_task.with_options(**retry)
+        self.reward = reward_task.with_options(**retry)
+        self.sync_ = sync_task.with_options(**retry)
+        self.filter = filter_task
+        self.train = train_task  # a failed optimizer step is not retried: it may have half-applied
+        mode = cfg.rollout.mode
+        self.ahead = {"sync": 0, "one-step-off": 1}.get(mode, cfg.rollout.max_staleness or 2)
+        self.pending: dict[int, tuple] = {}
+        self.last = None  # the newest generation chain's final future
+
+    def generate_ahead(self, step: int, total: int) -> None:
+        for s in range(step, min(step + self.ahead, total - 1) + 1):
+            if s in self.pending:
+                continue
+            wait = [self.last] if self.last is not None else []
+            roll = self.rollout.submit(self.cfg.run_id, s, wait_for=wait)
+            rew = self.reward.submit(self.cfg.run_id, s, wait_for=[roll])
+            self.pending[s] = (roll, rew)
+            self.last = rew
+
+    def generated(self, step: int) -> tuple[dict, dict]:
+        roll, rew = self.pending.pop(step)
+        return roll.result(), rew.result()
+
+    def wait_in_flight(self) -> None:
+        for _, rew in self.pending.values():
+            rew.wait()
+            if rew.state.is_failed():
+                rew.result()  # raises the stage's error here, on the flow's thread
+
+    def sync(self, run_id: str, step: int) -> dict:
+        return self.sync_(run_id, step)
+
+
 def format_step(step: int, total: int, m: dict, seconds: float) -> str:
     return (
         f"step {step + 1:>3}/{total}  reward {m['reward_mean']:.3f}  len {m['response_len_mean']:5.1f}"
@@ -156,19 +216,25 @@ def rl_flow(config: RunConfig) -> dict:
         interval = cfg.eval.eval_interval
         if interval and start == 0:
             loggers.log(0, eval_task(cfg.run_id, 0))  # the baseline
+        stages = _Stages(cfg)
         for step in range(start, total):
             t0 = time.perf_counter()
-            roll = rollout_task(cfg.run_id, step)
+            stages.generate_ahead(step, total)  # sync: this step; async modes: also the next ones
+            roll, rew = stages.generated(step)
             arts.progress(step + 0.5)
-            rew = reward_task(cfg.run_id, step)
-            kept = filter_task(cfg.run_id, step)
-            m = train_task(cfg.run_id, step)
+            kept = stages.filter(cfg.run_id, step)
+            m = stages.train(cfg.run_id, step)
             m.update(kept)
-            sync_task(cfg.run_id, step)
+            if cfg.rollout.mode == "one-step-off":
+                stages.wait_in_flight()  # the next step's samples all come from the weights before this update
+            stages.sync(cfg.run_id, step)
             m.update(
                 {
                     "time/step_s": time.perf_counter() - t0,
                     "time/rollout_s": roll["gen_time_s"],
+                    "time/rollout_start": roll["started"],
+                    "time/rollout_end": roll["ended"],
+                    "rollout/engine_version": float(roll["engine_version"]),
                     "rollout/groups_skipped": float(roll["groups_skipped"]),
                     "rollout/groups_aborted": float(roll["groups_aborted"]),
                     "reward/errors": float(rew["errors"]),
@@ -182,6 +248,7 @@ def rl_flow(config: RunConfig) -> dict:
             if not cfg.logging.quiet:
                 print(format_step(step, total, m, m["time/step_s"]), flush=True)
             if interval and ((step + 1) % interval == 0 or step + 1 == total):
+                stages.wait_in_flight()  # evaluation shares the engines; let generation settle first
                 loggers.log(step + 1, eval_task(cfg.run_id, step + 1))
     finally:
         arts.finish(rt.store)

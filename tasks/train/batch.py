@@ -61,3 +61,9 @@ def rollout_metrics(table: pa.Table) -> dict[str, float]:
             sum(r["status"] != "aborted" and r.get("filter_reason") is not None for r in all_rows)
         ),
     }
+
+
+def max_staleness(table: pa.Table, trainer_version: int) -> int:
+    """How many weight versions the oldest token of the trained samples lags the trainer (0: fully on-policy)."""
+    versions = [min(r["weight_versions"] or [r["weight_version"]]) for r in trainable_rows(table)]
+    return max((trainer_version - v for v in versions), default=0)

@@ -1,0 +1,40 @@
+"""Which stage failures Prefect retries: transient ones (an engine restarting, a dropped connection, an S3 hiccup,
+a Delta commit race), never a user's mistake or a bug, which would fail the same way again."""
+
+from __future__ import annotations
+
+import httpx
+
+from sluiceway.flows.errors import UserError
+
+# Failures of the environment rather than of the inputs.
+_TRANSIENT: tuple[type[BaseException], ...] = (httpx.TransportError, ConnectionError, TimeoutError)
+try:
+    from deltalake.exceptions import CommitFailedError
+
+    _TRANSIENT += (CommitFailedError,)
+except ImportError:  # pragma: no cover - deltalake always ships it today
+    pass
+try:
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+
+    _TRANSIENT += (BotoConnectionError,)
+except ImportError:  # pragma: no cover - s3fs brings botocore
+    pass
+
+
+def is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, UserError):
+        return False
+    if isinstance(exc, httpx.HTTPStatusError):
+        return exc.response.status_code >= 500 or exc.response.status_code == 429
+    if isinstance(exc, _TRANSIENT):
+        return True
+    cause = exc.__cause__ or exc.__context__
+    return cause is not None and cause is not exc and is_transient(cause)
+
+
+def retry_transient(task, task_run, state) -> bool:
+    """Prefect's `retry_condition_fn`: retry when the failure is transient."""
+    exc = state.data if isinstance(state.data, BaseException) else state.result(raise_on_failure=False)
+    return isinstance(exc, BaseException) and is_transient(exc)
