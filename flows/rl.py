@@ -10,6 +10,7 @@ because each flow run costs about a second of Prefect overhead (DESIGN.md).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 from prefect import flow, task
@@ -21,6 +22,7 @@ from sluiceway.flows.config import RunConfig
 from sluiceway.flows.logging_backends import MetricLoggers
 from sluiceway.flows.retry import retry_transient
 from sluiceway.storage.metrics import append_metrics
+from sluiceway.storage.stages import finished_stage, record_stage
 from sluiceway.storage.trajectories import read_trajectories
 from sluiceway.tasks.evaluate.evaluate import evaluate
 from sluiceway.tasks.filter.apply import filter_step
@@ -33,7 +35,30 @@ from sluiceway.tasks.train.batch import build_train_samples, max_staleness, roll
 # the tables instead (a re-run skips groups and rewards already stored).
 
 
+def _ledgered(stage: str):
+    """Run the stage once per (run id, step): a finished stage returns its recorded result (storage/stages.py)."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(run_id: str, step: int) -> dict:
+            rt = runtime.get(run_id)
+            store = rt.store
+            # The curriculum lives in memory: a resumed run re-observes rewards (stored ones are not re-scored).
+            relearn = stage == "reward" and rt.prep.adaptive is not None
+            done = None if relearn else finished_stage(store, run_id, step, stage)
+            if done is not None:
+                return done | {"resumed": True}
+            result = fn(run_id, step)
+            record_stage(store, run_id, step, stage, result)
+            return result
+
+        return run
+
+    return wrap
+
+
 @task(name="rollout", cache_policy=NO_CACHE, persist_result=False)
+@_ledgered("rollout")
 def rollout_task(run_id: str, step: int) -> dict:
     started = time.time()
     rt = runtime.get(run_id)
@@ -63,6 +88,7 @@ def rollout_task(run_id: str, step: int) -> dict:
 
 
 @task(name="reward", cache_policy=NO_CACHE, persist_result=False)
+@_ledgered("reward")
 def reward_task(run_id: str, step: int) -> dict:
     rt = runtime.get(run_id)
     out = dataclasses.asdict(score_step(store=rt.store, run_id=run_id, step=step, settings=rt.rewards))
@@ -73,6 +99,7 @@ def reward_task(run_id: str, step: int) -> dict:
 
 
 @task(name="filter", cache_policy=NO_CACHE, persist_result=False)
+@_ledgered("filter")
 def filter_task(run_id: str, step: int) -> dict:
     rt = runtime.get(run_id)
     filters = build_filters(rt.cfg.rollout, current_version=rt.trainer.weight_version)

@@ -22,6 +22,7 @@ from sluiceway.flows.errors import UserError
 from sluiceway.flows.retry import is_transient
 from sluiceway.storage.metrics import metrics_frame
 from sluiceway.storage.object_store import ObjectStore
+from sluiceway.storage.stages import finished_stages
 from sluiceway.storage.trajectories import read_trajectories
 
 STEPS = 3
@@ -67,6 +68,8 @@ def test_sigkill_during_rollout_then_resume(tmp_path):
     proc.wait()
     killed_at = read_trajectories(store, "run", 1).num_rows
     assert 0 < killed_at < BATCH * N
+    ledger = finished_stages(store, "run")
+    assert {(0, "rollout"), (0, "reward"), (0, "filter")} <= set(ledger) and (1, "rollout") not in ledger
 
     resumed = cli("resume", str(run_dir), env={"SLUICEWAY_CACHE": str(cache)})
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
@@ -75,6 +78,8 @@ def test_sigkill_during_rollout_then_resume(tmp_path):
     table = read_trajectories(store, "run")
     keys = list(zip(*(table.column(c).to_pylist() for c in ("step", "group_id", "sample_index"))))
     assert len(keys) == len(set(keys)) == STEPS * BATCH * N  # nothing duplicated, nothing missing
+    stages = [(k, s) for k in range(STEPS) for s in ("filter", "reward", "rollout")]
+    assert finished_stages(store, "run") == stages  # every data stage finished exactly once
     trained = metrics_frame(store, "run")["train/loss"].dropna()
     assert list(trained.index) == [0, 1, 2]
     # The killed flow's engines, router and trainer went with it (parent-death signal).
@@ -111,6 +116,16 @@ def test_one_step_off_overlaps_rollout_and_training(tmp_path):
         assert m.loc[k + 1, "rollout/engine_version"] == k  # generated before training step k finished
     assert (m["rollout/staleness_max"] <= 1).all() and (m.loc[1:, "rollout/staleness_max"] == 1).all()
     assert (m["samples_filtered"] == 0).all()  # within the limit: nothing dropped as stale
+
+
+def test_fully_async_stays_within_max_staleness(tmp_path):
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    proc = run_cli(run_dir, cache, "--num-rollout", "4", "--mode", "fully-async", "--max-staleness", "2")
+    assert "step   4/4  reward" in proc.stdout
+    m = metrics_frame(ObjectStore.from_uri(str(run_dir / "tables")), "run")
+    assert (m["rollout/staleness_max"] <= 2).all()
+    # Generation ran ahead: some step's rollout began before the previous step's training ended.
+    assert any(m.loc[k + 1, "time/rollout_start"] < m.loc[k, "time/train_end"] for k in range(3))
 
 
 def test_which_failures_are_retried():
