@@ -81,6 +81,7 @@ def rollout_task(run_id: str, step: int) -> dict:
             work=work,
             settings=s,
             decode=rt.decode,
+            on_progress=lambda done, need: rt.console.update(f"rollout step {step + 1}", done, need),
         )
     )
     # Wall-clock bounds and the weights the engines held at the start: what overlap and staleness are measured by.
@@ -115,6 +116,7 @@ def train_task(run_id: str, step: int) -> dict:
     metrics = rollout_metrics(table)
     trained_at = rt.trainer.weight_version  # the version these samples update
     started = time.time()
+    rt.console.update(f"train step {step + 1}", 0, 1)
     metrics.update({f"train/{k}": v for k, v in rt.trainer.train_rollout(samples, step).items()})
     metrics["weight_version"] = float(rt.trainer.weight_version)
     metrics["time/train_start"], metrics["time/train_end"] = started, time.time()
@@ -273,6 +275,7 @@ def rl_flow(config: RunConfig) -> dict:
             loggers.log(step, m)
             arts.progress(step + 1)
             if not cfg.logging.quiet:
+                rt.console.clear()
                 print(format_step(step, total, m, m["time/step_s"]), flush=True)
             if interval and ((step + 1) % interval == 0 or step + 1 == total):
                 stages.wait_in_flight()  # evaluation shares the engines; let generation settle first

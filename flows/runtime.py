@@ -11,12 +11,13 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from sluiceway.flows.config import RunConfig
+from sluiceway.flows.console import ProgressLine
 from sluiceway.flows.engines import RolloutEngines
 from sluiceway.flows.errors import UserError
 from sluiceway.infra.sglang_launcher import require_sglang
@@ -200,6 +201,7 @@ class Runtime:
     prep: Prepared
     engines: RolloutEngines
     trainer: PolicyTrainer | RemoteTrainer
+    console: ProgressLine = field(default_factory=ProgressLine)
 
     # Shortcuts used by the stages.
     store = property(lambda self: self.prep.store)
@@ -225,7 +227,7 @@ class Runtime:
         except BaseException:
             _close_trainer(trainer)
             raise
-        return cls(cfg, run_dir, prep, engines, trainer)
+        return cls(cfg, run_dir, prep, engines, trainer, ProgressLine(enabled=not cfg.logging.quiet))
 
     def close(self) -> None:
         self.engines.close()

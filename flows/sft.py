@@ -169,8 +169,8 @@ def format_step(step: int, total: int, m: dict) -> str:
 
 
 @flow(name="sluiceway-sft", log_prints=False)
-def sft_flow(config: dict) -> dict:
-    """Fine-tune on `config`'s data file (a RunConfig as a dict) from its last checkpoint to the end."""
+def sft_flow(config: RunConfig) -> dict:
+    """Fine-tune on `config`'s data file from its last checkpoint to the end (typed so the UI shows a form)."""
     cfg = RunConfig.model_validate(config)
     prep = _PREPARED.pop(cfg.run_id, None) or prepare_sft(cfg)
     run = SftRun.create(cfg, prep)

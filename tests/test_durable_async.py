@@ -150,3 +150,19 @@ def test_which_failures_are_retried():
 def test_resume_of_an_unknown_run_is_one_line(tmp_path, ref):
     out = cli("resume", ref, "--runs-root", str(tmp_path))
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "no run 'missing-run'" in out.stderr
+
+
+def test_progress_line_draws_only_on_a_terminal():
+    import io
+
+    from sluiceway.flows.console import ProgressLine
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty, pipe = Tty(), io.StringIO()
+    ProgressLine(tty).update("rollout step 2", 3, 4)
+    ProgressLine(pipe).update("rollout step 2", 3, 4)
+    ProgressLine(Tty(), enabled=False).update("x", 1, 2)
+    assert "[##################......] 3/4" in tty.getvalue() and pipe.getvalue() == ""

@@ -199,8 +199,12 @@ async def run_rollout(
     decode: Callable[[list[int]], str],
     group_filter: Callable[[list[dict]], str | None] | None = None,
     engine: str = "router",
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> RolloutResult:
-    """Generate the planned groups the table does not hold yet; stop when `groups_needed` have finished."""
+    """Generate the planned groups the table does not hold yet; stop when `groups_needed` have finished.
+
+    `on_progress(finished, needed)` is called as groups finish (a console progress bar, say).
+    """
     t0 = time.perf_counter()
     s = settings
     existing = read_trajectories(store, run_id, step).to_pylist()
@@ -254,6 +258,8 @@ async def run_rollout(
                 r["filter_reason"] = reason
             if reason is None:
                 state["finished"] += 1
+                if on_progress is not None:
+                    on_progress(state["finished"], s.groups_needed)
                 if state["finished"] >= s.groups_needed and not enough.is_set():
                     enough.set()
                     await client.abort_all()  # the engines return what they have for the rest
