@@ -297,7 +297,9 @@ class ReplayConfig(_Group):
         "(default: this run's tables, storage_uri or OUTPUT_DIR/tables).",
     )
     replay_version: int | None = Field(
-        None, ge=0, description="`sluiceway replay`: the Delta version of the trajectories table to read (default: "
+        None,
+        ge=0,
+        description="`sluiceway replay`: the Delta version of the trajectories table to read (default: "
         "the latest when the replay starts; a resumed replay keeps the version it started with).",
     )
     replay_timestamp: datetime | None = Field(

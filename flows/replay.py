@@ -12,10 +12,11 @@ Off-policy correction: the stored rollout log-probs are the behaviour policy. Re
 importance sampling against them (`--use-tis`, which `sluiceway replay` turns on unless the YAML or a flag says
 otherwise): each token's loss is weighted by clamp(pi_current / pi_behaviour, tis_clip_low, tis_clip), where
 pi_current is the trainer's policy before the step's first optimizer step, while PPO's clip acts between that and
-the policy being updated. Using the stored log-probs as PPO's old log-probs instead would clip almost every
-token once the current policy has drifted from the stored one (no gradient), and could not bound the weights;
-TIS keeps the PPO step well-behaved and makes the ratio to the behaviour policy explicit and truncated. The
-stored log-probs were taken at the stored run's sampling temperature: give the same `--rollout-temperature`.
+the policy being updated. Using the stored log-probs as PPO's old log-probs instead would clip, and so drop from
+the gradient, every token on which the current policy has moved more than eps_clip from the stored one (most of
+them, once the policies differ by a few steps), with no bound on the weights of the rest; TIS keeps PPO's trust
+region around the current policy and makes the ratio to the behaviour policy explicit and truncated. The stored
+log-probs were taken at the stored run's sampling temperature: give the same `--rollout-temperature`.
 
 The flow imports nothing from the engine side (flows/engines.py, infra/); its checkpoint lives in
 `checkpoints/replay`, and `replay.json` in the run directory pins the source, so a resumed replay reads the

@@ -52,9 +52,7 @@ def resolve_version(store: ObjectStore, version: int | None = None, timestamp: _
     first_ms = min(h["timestamp"] for h in dt.history())
     first = _dt.datetime.fromtimestamp(first_ms / 1000, _dt.UTC)
     if ts < first:
-        raise UserError(
-            f"--replay-timestamp {ts.isoformat()}: before the first commit of {uri} ({first.isoformat()})"
-        )
+        raise UserError(f"--replay-timestamp {ts.isoformat()}: before the first commit of {uri} ({first.isoformat()})")
     with store.redacting():
         dt.load_as_version(ts)
     return dt.version()
