@@ -99,27 +99,41 @@ def append_idempotent(
     (a retried write). ``data`` is conformed to the existing table's schema; ``partition_by`` only matters
     when this call creates the table.
     """
-    if not app_id:
-        raise ValueError("append_idempotent needs a non-empty app_id")
+    return append_idempotent_many(store, name, [(data, app_id)], partition_by)[0]
+
+
+def append_idempotent_many(
+    store: ObjectStore,
+    name: str,
+    items: list[tuple[pa.Table, str]],
+    partition_by: list[str] | None = None,
+) -> list[bool]:
+    """Several idempotent appends in ONE commit (each keeps its own ``app_id``); per item, whether it was new.
+
+    One commit instead of one per item: Delta's cost is per commit, and a commit records any number of
+    application transactions, so each item stays individually idempotent.
+    """
+    if not items or any(not app_id for _, app_id in items):
+        raise ValueError("append_idempotent needs a non-empty app_id per item")
     uri = store.table_uri(name)
-    commit = CommitProperties(app_transactions=[Transaction(app_id=app_id, version=_WRITTEN)])
     with WRITE_LOCK, store.redacting():
         if table_exists(store, name):
             dt = open_table(store, name)
-            if dt.transaction_version(app_id) is not None:
-                return False
-            data = conform(data, table_schema(dt), what=name)
-            write_deltalake(dt, data, mode="append", commit_properties=commit)
+            new = [dt.transaction_version(app_id) is None for _, app_id in items]
+            if not any(new):
+                return new
+            schema = table_schema(dt)
+            data = pa.concat_tables([conform(d, schema, what=name) for (d, _), n in zip(items, new) if n])
+            target: Any = dt
+            extra: dict[str, Any] = {}
         else:
-            write_deltalake(
-                uri,
-                data,
-                mode="append",
-                partition_by=partition_by,
-                storage_options=store.storage_options,
-                commit_properties=commit,
-            )
-    return True
+            new = [True] * len(items)
+            data = pa.concat_tables([d for d, _ in items], promote_options="permissive")
+            target = uri
+            extra = {"partition_by": partition_by, "storage_options": store.storage_options}
+        apps = [Transaction(app_id=app_id, version=_WRITTEN) for (_, app_id), n in zip(items, new) if n]
+        write_deltalake(target, data, mode="append", commit_properties=CommitProperties(app_transactions=apps), **extra)
+    return new
 
 
 def read_table(

@@ -18,6 +18,7 @@ from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.tables import (
     WRITE_LOCK,
     append_idempotent,
+    append_idempotent_many,
     conform,
     open_table,
     read_table,
@@ -85,6 +86,16 @@ def append_trajectories(store: ObjectStore, rows: list[dict[str, Any]] | pa.Tabl
     table = conform(table, TRAJECTORY_SCHEMA, what="trajectory")
     validate_trajectories(table)
     return append_idempotent(store, TRAJECTORIES, table, app_id=app_id, partition_by=PARTITION_BY)
+
+
+def append_trajectory_groups(store: ObjectStore, groups: list[tuple[list[dict[str, Any]], str]]) -> list[bool]:
+    """`append_trajectories` for several (rows, app_id) batches in one Delta commit; per batch, whether it was new."""
+    items = []
+    for rows, app_id in groups:
+        table = conform(_rows_to_table(rows), TRAJECTORY_SCHEMA, what="trajectory")
+        validate_trajectories(table)
+        items.append((table, app_id))
+    return append_idempotent_many(store, TRAJECTORIES, items, partition_by=PARTITION_BY)
 
 
 def read_trajectories(

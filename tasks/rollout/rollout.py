@@ -20,8 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from sluiceway.storage.trajectories import append_trajectories, read_trajectories
+from sluiceway.storage.trajectories import read_trajectories
 from sluiceway.tasks.rollout.multiturn import GenerateContext
+from sluiceway.tasks.rollout.writer import GroupWriter
 
 
 @dataclass
@@ -217,6 +218,7 @@ async def run_rollout(
         enough.set()
     sem = asyncio.Semaphore(s.max_concurrency)
     versions_seen: list[int] = []
+    writer = GroupWriter(store)
 
     async def sample(w: GroupWork, i: int):
         async with sem:
@@ -263,7 +265,7 @@ async def run_rollout(
                 if state["finished"] >= s.groups_needed and not enough.is_set():
                     enough.set()
                     await client.abort_all()  # the engines return what they have for the rest
-        if append_trajectories(store, rows, app_id=f"rollout/{run_id}/{step}/{w.group_id}"):
+        if await writer.write(rows, app_id=f"rollout/{run_id}/{step}/{w.group_id}"):
             state["written"] += len(rows)
 
     await asyncio.gather(*(group(w) for w in todo))
