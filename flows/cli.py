@@ -11,6 +11,7 @@
     sluiceway engine --model NAME_OR_DIR [--port N]  serve the embedded engine (SGLang's HTTP API)
     sluiceway server [--port 4200]                   a Prefect server and its UI on loopback
     sluiceway serve [CONFIG.yaml] [flags] [--cron X]  deployments of the flows (flows/deploy.py)
+    sluiceway ckpt ls|diff A B|apply V --to DIR|verify V --store URI   inspect and repair a weight store
 
 Every config field is a flag named after it (`rollout_batch_size` -> `--rollout-batch-size`), which gives
 slime's names for the fields slime has. A user mistake prints one line and exits 2, never a traceback.
@@ -26,6 +27,7 @@ from typing import Literal, get_args, get_origin
 
 import yaml
 
+from sluiceway.flows.ckpt import add_parser as add_ckpt_parser
 from sluiceway.flows.config import RunConfig, build_config, load_yaml
 from sluiceway.flows.errors import UserError
 
@@ -114,6 +116,7 @@ def make_parser() -> argparse.ArgumentParser:
     eng.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     eng.add_argument("--weight-version", default="0")
     eng.add_argument("--seed", type=int, default=None, help="base seed for requests without sampling_seed")
+    add_ckpt_parser(sub)
     return parser
 
 
@@ -142,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         args = make_parser().parse_args(argv)
         if sglang_args:
             vars(args)["rollout.sglang_server_args"] = sglang_args
+        if args.command == "ckpt":
+            from sluiceway.flows.ckpt import run as run_ckpt
+
+            return run_ckpt(args)
         if args.command == "models":
             from sluiceway.models.zoo import ZOO
 
