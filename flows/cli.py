@@ -117,6 +117,11 @@ def make_parser() -> argparse.ArgumentParser:
     eng.add_argument("--weight-version", default="0")
     eng.add_argument("--seed", type=int, default=None, help="base seed for requests without sampling_seed")
     add_ckpt_parser(sub)
+    pools = sub.add_parser("pools", help="local inference pools that pull weight versions (development)")
+    pools_sub = pools.add_subparsers(dest="pools_command", required=True, parser_class=_Parser)
+    up = pools_sub.add_parser("up", help="start the pools of a YAML file and serve until Ctrl-C")
+    up.add_argument("pools_file", metavar="POOLS.yaml")
+    up.add_argument("--work-dir", default="runs/pools", help="logs, materialized weights and status per pool")
     return parser
 
 
@@ -149,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
             from sluiceway.flows.ckpt import run as run_ckpt
 
             return run_ckpt(args)
+        if args.command == "pools":
+            from sluiceway.flows.pools import pools_up
+
+            return pools_up(args.pools_file, args.work_dir)
         if args.command == "models":
             from sluiceway.models.zoo import ZOO
 

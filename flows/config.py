@@ -260,8 +260,32 @@ class StorageSettings(_Group):
 class SyncConfig(_Group):
     sync_mode: Literal["disk"] = Field(
         "disk",
-        description="How new weights reach the engines: 'disk' writes HF safetensors under the run "
-        "directory and calls each engine's /update_weights_from_disk (deltas on object storage come later).",
+        description="How new weights reach the run's own engines: 'disk' writes HF safetensors under the run "
+        "directory and calls each engine's /update_weights_from_disk.",
+    )
+    update_weight_mode: Literal["full", "delta"] = Field(
+        "full",
+        description="full: only the run's own engines get each version (from the run directory). delta: each "
+        "version is also published to the weight store (weights_uri) as a full copy or a lossless delta, for "
+        "remote pools whose agents pull it (`sluiceway pools up`, docs/weight_sync.md); the run's own engines "
+        "still load the local directory.",
+    )
+    update_weights_interval: int = Field(
+        1,
+        ge=1,
+        description="Sync weights every N rollout steps (and after the last); engines serve older weights in "
+        "between, which the trajectories' weight_version records.",
+    )
+    weights_uri: str | None = Field(
+        None,
+        description="update_weight_mode delta: where the weight store lives, a local path or s3://bucket/prefix "
+        "(default: STORAGE_URI/weights/RUN_ID, or OUTPUT_DIR/weight_store without storage_uri).",
+    )
+    weights_full_every: int = Field(
+        10, ge=1, description="update_weight_mode delta: a full version every N versions (bounds the delta chain)."
+    )
+    weights_keep: int = Field(
+        3, ge=1, description="update_weight_mode delta: newest versions kept on the weight store."
     )
 
 
@@ -466,6 +490,15 @@ class RunConfig(_Group):
     @property
     def tables_uri(self) -> str:
         return self.storage.storage_uri or str(Path(self.storage.output_dir).resolve() / "tables")
+
+    @property
+    def weights_uri(self) -> str:
+        """The weight store of update_weight_mode delta (OUTPUT_DIR/weights holds the local HF directories)."""
+        if self.sync.weights_uri:
+            return self.sync.weights_uri
+        if self.storage.storage_uri:
+            return self.storage.storage_uri.rstrip("/") + f"/weights/{self.run_id}"
+        return str(Path(self.storage.output_dir).resolve() / "weight_store")
 
 
 def format_validation_error(err: ValidationError, source: str = "config") -> str:

@@ -128,13 +128,13 @@ def train_task(run_id: str, step: int) -> dict:
 def sync_task(run_id: str, step: int) -> dict:
     """Publish the new weights to every engine, and checkpoint when the save interval says so."""
     rt = runtime.get(run_id)
-    path = rt.sync_weights()
+    path = rt.sync_weights(step)  # None: update_weights_interval skipped this step
     interval = rt.cfg.training.save_interval
     saved = bool(interval and ((step + 1) % interval == 0 or step + 1 == rt.cfg.rollout.num_rollout))
     checkpoint = rt.save_checkpoint(step) if saved else None
     return {
         "weight_version": rt.trainer.weight_version,
-        "weights": str(path),
+        "weights": None if path is None else str(path),
         "checkpoint": checkpoint,
     }
 

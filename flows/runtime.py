@@ -26,6 +26,7 @@ from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.storage.checkpoints import download_checkpoint, latest_checkpoint_step, upload_checkpoint
 from sluiceway.storage.datasets import import_prompts, import_records, load_prompts
 from sluiceway.storage.object_store import ObjectStore
+from sluiceway.storage.weights import WeightPublisher, WeightStore
 from sluiceway.tasks.environments import generate_env
 from sluiceway.tasks.environments.adaptive_source import AdaptivePromptSource
 from sluiceway.tasks.filter.filters import scoring_filter, user_filter
@@ -202,6 +203,7 @@ class Runtime:
     engines: RolloutEngines
     trainer: PolicyTrainer | RemoteTrainer
     console: ProgressLine = field(default_factory=ProgressLine)
+    _publisher: WeightPublisher | None = field(default=None, repr=False)  # update_weight_mode delta
 
     # Shortcuts used by the stages.
     store = property(lambda self: self.prep.store)
@@ -233,11 +235,30 @@ class Runtime:
         self.engines.close()
         _close_trainer(self.trainer)
 
-    def sync_weights(self) -> Path:
-        """Publish the trainer's current weights as a model directory and load it on every engine."""
+    def sync_weights(self, step: int | None = None) -> Path | None:
+        """Publish the trainer's current weights as a model directory and load it on every engine.
+
+        After rollout ``step`` this skips (None) unless update_weights_interval says to sync; with
+        update_weight_mode delta the version also goes to the weight store, where remote pools pull it.
+        """
+        s, last = self.cfg.sync, self.cfg.rollout.num_rollout
+        if step is not None and (step + 1) % s.update_weights_interval and step + 1 != last:
+            return None
         path = self.trainer.write_weights(self.prep.hf_dir, self.run_dir / "weights")
         self.engines.update_weights(path, self.trainer.weight_version)
+        if s.update_weight_mode == "delta":
+            self._publish_weights(path)
         return path
+
+    def _publish_weights(self, path: Path) -> None:
+        if self._publisher is None:  # one per process: it holds the last version in memory to diff against
+            s = self.cfg.sync
+            store = ObjectStore.from_uri(
+                self.cfg.weights_uri, self.cfg.storage.s3_endpoint_url, self.cfg.storage.s3_region
+            )
+            self._publisher = WeightPublisher(WeightStore(store), full_every=s.weights_full_every, keep=s.weights_keep)
+        m = self._publisher.publish(self.trainer.weight_version, path)
+        log.info("weights v%d published to %s (%s, %d bytes)", m.version, self.cfg.weights_uri, m.kind, m.data_size)
 
     def decode(self, ids: list[int]) -> str:
         return self.prep.tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,5 +1,6 @@
 """Weight sync: moving a new weight version from the trainer to the rollout engines.
 
 `disk.py` publishes each version as an HF model directory that engines load with SGLang's
-`/update_weights_from_disk`; deltas on object storage for remote pools come later.
+`/update_weights_from_disk`. Remote pools get versions through the weight store instead
+(`storage/weights/`, `infra/pool_agent.py`, docs/weight_sync.md).
 """

@@ -1,0 +1,155 @@
+"""The agent beside one pool of engines: pulls new weight versions from the weight store and has the engines load
+them.
+
+    agent = PoolAgent("us-east", WeightStore(ObjectStore.from_uri(uri)), lambda: pool.urls, work_dir)
+    agent.poll_once()   # or agent.start() for a thread that polls every poll_interval_s
+
+Each poll: if the store has a version newer than the one held in ``work_dir/current``, ``materialize`` it there
+(applying only the deltas after the held version; a full download when the held copy is not in the chain), then
+send ``/update_weights_from_disk`` with that ``weight_version`` to every engine whose ``/get_weight_version``
+differs (so an engine that restarted on the base model catches up too). A version the store cannot reproduce
+exactly (a corrupted delta, a missing file) leaves ``current`` and the engines as they were; the error, naming
+the version and tensor, is logged and kept in the status until a later version goes through.
+
+The status (``work_dir/status.json``, rewritten atomically after every poll) is what the agent reports:
+``{"pool", "region", "version", "engines": {url: version}, "error", "updated"}``; ``version`` is the version
+every engine serves, or null while they disagree.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from sluiceway.storage.weights import WeightStore, WeightSyncError, local_version, materialize
+
+log = logging.getLogger("sluiceway.pools")
+
+
+class PoolAgent:
+    def __init__(
+        self,
+        name: str,
+        wstore: WeightStore,
+        engine_urls: Callable[[], list[str]] | list[str],
+        work_dir: str | Path,
+        *,
+        region: str = "",
+        poll_interval_s: float = 2.0,
+        load_timeout_s: float = 600.0,
+    ) -> None:
+        self.name, self.region = name, region
+        self.wstore = wstore
+        self._urls = engine_urls if callable(engine_urls) else (lambda: list(engine_urls))
+        self.work_dir = Path(work_dir)
+        self.current = self.work_dir / "current"  # the materialized HF directory the engines load
+        self.status_path = self.work_dir / "status.json"
+        self.poll_interval_s = poll_interval_s
+        self.error: str | None = None
+        self.engines: dict[str, int | None] = {}
+        self._http = httpx.Client(timeout=load_timeout_s, trust_env=False)  # loopback/LAN engines: never a proxy
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def held(self) -> int | None:
+        """The version materialized in ``current`` (it survives an agent restart)."""
+        return local_version(self.current)
+
+    @property
+    def version(self) -> int | None:
+        """The version every engine serves, or None while they disagree (or before the first poll)."""
+        found = set(self.engines.values())
+        return found.pop() if len(found) == 1 and self.engines else None
+
+    def poll_once(self) -> int | None:
+        """Fetch and load the newest version if there is one; returns the version the pool serves."""
+        latest = self.wstore.latest()
+        held = self.held
+        if latest is not None and (held is None or latest > held):
+            self._fetch(latest, held)
+        held = self.held
+        self.engines = {}
+        for url in self._urls():
+            self.engines[url] = self._push(url, held)
+        self._write_status()
+        return self.version
+
+    def _fetch(self, version: int, held: int | None) -> None:
+        try:
+            materialize(self.wstore, version, self.current if held is not None else None, self.current)
+        except WeightSyncError as exc:  # the old weights stay: materialize renames into place only on success
+            if self.error != str(exc):  # once per distinct failure, not every poll
+                log.error("pool %s: %s; still serving v%s", self.name, exc, held)
+            self.error = str(exc)
+            return
+        self.error = None
+        log.info("pool %s: fetched weights v%d (held v%s)", self.name, version, held)
+
+    def _engine_version(self, url: str) -> int | None:
+        try:
+            r = self._http.get(f"{url}/get_weight_version", timeout=10.0)
+            r.raise_for_status()
+            return int(r.json()["weight_version"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+
+    def _push(self, url: str, held: int | None) -> int | None:
+        """Have the engine at ``url`` serve ``held``; the version it serves afterwards (None: unreachable)."""
+        serving = self._engine_version(url)
+        if held is None or serving == held:
+            return serving
+        body = {"model_path": str(self.current.resolve()), "weight_version": str(held)}
+        try:
+            r = self._http.post(f"{url}/update_weights_from_disk", json=body)
+            if r.status_code >= 400 or r.json().get("success") is False:
+                raise httpx.HTTPError(f"answered {r.status_code}: {r.text[:300]}")
+        except (httpx.HTTPError, ValueError) as exc:
+            log.warning("pool %s: engine %s did not load v%d: %s", self.name, url, held, exc)  # retried next poll
+            return serving
+        return self._engine_version(url)
+
+    def status(self) -> dict:
+        return {
+            "pool": self.name,
+            "region": self.region,
+            "version": self.version,
+            "held": self.held,
+            "engines": self.engines,
+            "error": self.error,
+            "updated": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        }
+
+    def _write_status(self) -> None:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.status_path.with_name(f".status.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.status(), indent=1))
+        os.replace(tmp, self.status_path)  # a reader never sees half a status
+
+    # -- background polling ------------------------------------------------------------------------------------
+
+    def start(self) -> PoolAgent:
+        self._thread = threading.Thread(target=self._loop, name=f"pool-agent-{self.name}", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll_once()
+            except Exception:  # noqa: BLE001 - a flaky store or engine must not end the agent; next poll retries
+                log.exception("pool %s: poll failed", self.name)
+            self._stop.wait(self.poll_interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30.0)
+        self._http.close()
