@@ -118,6 +118,7 @@ def test_one_step_off_overlaps_rollout_and_training(tmp_path):
     assert (m["samples_filtered"] == 0).all()  # within the limit: nothing dropped as stale
 
 
+@pytest.mark.slow  # minutes on 2 cores; `make test-all` runs it
 def test_fully_async_stays_within_max_staleness(tmp_path):
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
     proc = run_cli(run_dir, cache, "--num-rollout", "4", "--mode", "fully-async", "--max-staleness", "2")

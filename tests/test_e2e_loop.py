@@ -151,6 +151,7 @@ def test_rerun_resumes_from_checkpoint_and_table(finished_run):
     assert set(table.column("weight_version").to_pylist()) == {0, 1, 2}
 
 
+@pytest.mark.slow  # minutes on 2 cores; `make test-all` runs it
 def test_loop_with_a_torchrun_trainer_group(tmp_path):
     """TP=2 over two gloo ranks: one group serves every step of the run, checkpoints, and a re-run resumes."""
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
