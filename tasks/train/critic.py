@@ -29,7 +29,8 @@ from sluiceway.models.megatron_gpt import allreduce_gradients
 from sluiceway.models.value_model import build_value_model, init_value_head, token_values
 from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS, gae, reinforce_pp_returns, terminal_rewards
 from sluiceway.tasks.train.losses import aggregate, kl_penalty, value_loss
-from sluiceway.tasks.train.parallel import grad_norm, is_tensor_parallel, reduce_step_metrics
+from sluiceway.tasks.train.optim import step_master_weights
+from sluiceway.tasks.train.parallel import is_tensor_parallel, reduce_step_metrics
 
 if TYPE_CHECKING:
     from sluiceway.tasks.train.trainer import _MicroBatch
@@ -240,23 +241,15 @@ class Critic:
     def step(self) -> torch.Tensor:
         """Reduce gradients over DP, clip (TP-aware norm), AdamW on the masters, copy back; returns the grad norm."""
         allreduce_gradients(self.model)
-        model_params = [p for _, p in self.model.named_parameters()]
-        if self.mixed_precision:
-            for p, m in zip(model_params, self.master):
-                m.grad = None if p.grad is None else p.grad.float()
-                p.grad = None
-        total_norm = grad_norm(self.master, self.tp_flags)
-        if self.training.clip_grad > 0:
-            with_grad = [m for m in self.master if m.grad is not None]
-            torch.nn.utils.clip_grads_with_norm_(with_grad, self.training.clip_grad, total_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.mixed_precision:
-            with torch.no_grad():
-                for p, m in zip(model_params, self.master):
-                    p.copy_(m)
-        return total_norm
+        return step_master_weights(
+            self.model,
+            self.master,
+            self.optimizer,
+            self.scheduler,
+            self.tp_flags,
+            self.training.clip_grad,
+            self.mixed_precision,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -40,9 +40,9 @@ from sluiceway.tasks.sync.disk import write_weight_version
 from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS
 from sluiceway.tasks.train.critic import Critic, needs_reference, token_advantages
 from sluiceway.tasks.train.losses import aggregate, gspo_loss, kl_penalty, ppo_clip_loss, tis_weights
+from sluiceway.tasks.train.optim import step_master_weights
 from sluiceway.tasks.train.parallel import (
     gather_tensor_parallel,
-    grad_norm,
     is_tensor_parallel,
     plan_micro_batches,
     reduce_step_metrics,
@@ -363,23 +363,10 @@ class PolicyTrainer:
         return sums, megatron_to_hf(full, self.hf_config, include_tied_lm_head=False)
 
     def _step_master_weights(self) -> torch.Tensor:
-        model_params = [p for _, p in self.model.named_parameters()]
-        if self.mixed_precision:
-            for p, m in zip(model_params, self.master):
-                m.grad = None if p.grad is None else p.grad.float()
-                p.grad = None
-        total_norm = grad_norm(self.master, self.tp_flags)
-        if self.training.clip_grad > 0:
-            with_grad = [m for m in self.master if m.grad is not None]
-            torch.nn.utils.clip_grads_with_norm_(with_grad, self.training.clip_grad, total_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.mixed_precision:
-            with torch.no_grad():
-                for p, m in zip(model_params, self.master):
-                    p.copy_(m)
-        return total_norm
+        t = self.training
+        return step_master_weights(
+            self.model, self.master, self.optimizer, self.scheduler, self.tp_flags, t.clip_grad, self.mixed_precision
+        )
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's model state in megatron names with fp32 master values for every parameter."""

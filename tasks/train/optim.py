@@ -1,0 +1,40 @@
+"""One optimizer step over fp32 master weights, shared by the policy and the critic.
+
+With bf16 compute the model's gradients move to the fp32 masters, AdamW updates the masters, and the model takes
+their values back (megatron's mixed-precision scheme); in fp32 the masters are the model's own parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sluiceway.tasks.train.parallel import grad_norm
+
+
+def step_master_weights(
+    model: torch.nn.Module,
+    master: list[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    tp_flags: list[bool],
+    clip_grad: float,
+    mixed_precision: bool,
+) -> torch.Tensor:
+    """Clip by the full model's gradient norm (TP-aware), step AdamW and the LR schedule; returns the norm."""
+    model_params = [p for _, p in model.named_parameters()]
+    if mixed_precision:
+        for p, m in zip(model_params, master):
+            m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+    total_norm = grad_norm(master, tp_flags)
+    if clip_grad > 0:
+        with_grad = [m for m in master if m.grad is not None]
+        torch.nn.utils.clip_grads_with_norm_(with_grad, clip_grad, total_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    if mixed_precision:
+        with torch.no_grad():
+            for p, m in zip(model_params, master):
+                p.copy_(m)
+    return total_norm
