@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -256,9 +257,19 @@ class Runtime:
             store = ObjectStore.from_uri(
                 self.cfg.weights_uri, self.cfg.storage.s3_endpoint_url, self.cfg.storage.s3_region
             )
-            self._publisher = WeightPublisher(WeightStore(store), full_every=s.weights_full_every, keep=s.weights_keep)
+            # A --bf16 run's trainer writes its fp32 masters and its engines serve them rounded to bf16: publish
+            # those bf16 weights, of which most elements keep every bit from one step to the next at small learning
+            # rates (the fp32 masters change almost everywhere). A pool serving fp32 upcasts them exactly.
+            self._publisher = WeightPublisher(
+                WeightStore(store), full_every=s.weights_full_every, keep=s.weights_keep,
+                float_dtype="BF16" if self.cfg.training.bf16 else None,
+            )  # fmt: skip
+        t0 = time.perf_counter()
         m = self._publisher.publish(self.trainer.weight_version, path)
-        log.info("weights v%d published to %s (%s, %d bytes)", m.version, self.cfg.weights_uri, m.kind, m.data_size)
+        log.info(
+            "weights v%d published to %s (%s, %d bytes, %.2f s)",
+            m.version, self.cfg.weights_uri, m.kind, m.data_size, time.perf_counter() - t0,
+        )  # fmt: skip
 
     def decode(self, ids: list[int]) -> str:
         return self.prep.tokenizer.decode(ids, skip_special_tokens=True)

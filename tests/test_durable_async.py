@@ -107,7 +107,13 @@ def processes_tagged(tag: str) -> list[int]:
 
 def test_one_step_off_overlaps_rollout_and_training(tmp_path):
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
-    run_cli(run_dir, cache, "--num-rollout", str(STEPS), "--mode", "one-step-off", "--max-staleness", "1")
+    # Rollouts of one request at a time and one sample per micro-batch: both stages last seconds, so whether they
+    # overlap does not hinge on how fast a loaded machine starts a stage (a 0.3 s rollout could end before the
+    # training it should overlap has even started).
+    run_cli(
+        run_dir, cache, "--num-rollout", str(STEPS), "--mode", "one-step-off", "--max-staleness", "1",
+        "--micro-batch-size", "1", "--rollout-max-concurrency", "1", "--rollout-max-response-len", "24",
+    )  # fmt: skip
     m = metrics_frame(ObjectStore.from_uri(str(run_dir / "tables")), "run")
     for k in range(STEPS - 1):
         train = (m.loc[k, "time/train_start"], m.loc[k, "time/train_end"])

@@ -114,6 +114,27 @@ def test_weights_uri_default(tmp_path):
     assert cfg.weights_uri == "s3://elsewhere/w"
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_published_dtype_follows_the_training_dtype(tmp_path, bf16):
+    """The trainer writes fp32 masters in a --bf16 run too; the run publishes what its engines serve."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from sluiceway.flows.runtime import Runtime
+
+    cfg = RunConfig.model_validate({"data": {"prompt_data": "env:arithmetic"}, "training": {"bf16": bf16}})
+    cfg.storage.output_dir = str(tmp_path / "run")
+    hf = tmp_path / "weights" / "v000001"
+    hf.mkdir(parents=True)
+    (hf / "config.json").write_text("{}")
+    save_file({"w": torch.randn(8, 8), "ids": torch.arange(4)}, hf / "model.safetensors")
+    rt = SimpleNamespace(cfg=cfg, _publisher=None, trainer=SimpleNamespace(weight_version=1))
+    Runtime._publish_weights(rt, hf)
+    m = WeightStore(ObjectStore.from_uri(cfg.weights_uri)).manifest(1)
+    assert {k: e.dtype for k, e in m.tensors.items()} == {"w": "BF16" if bf16 else "F32", "ids": "I64"}
+
+
 @pytest.mark.slow  # a whole run: about 70 s on 2 busy cores
 def test_run_publishes_to_the_weight_store_every_interval(tmp_path):
     """--update-weight-mode delta --update-weights-interval 2 over 2 steps: step 1's sync is skipped, step 2's

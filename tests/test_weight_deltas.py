@@ -257,6 +257,27 @@ def test_a_big_change_is_stored_full(tmp_path):
     assert pub.publish(2, tiny_state(1)).kind == "full"  # every weight changed: a delta would not be smaller
 
 
+def test_float_dtype_publishes_fp32_masters_as_bf16(tmp_path):
+    """float_dtype="BF16" (a --bf16 run): fp32 weights are published rounded to bf16 as torch rounds them,
+    integer tensors as they are; an lr-sized step moves every fp32 element but few bf16 ones."""
+    wstore = WeightStore(ObjectStore.from_uri(str(tmp_path / "s")), "w")
+    pub = WeightPublisher(wstore, full_every=10, float_dtype="BF16")
+    g = torch.Generator().manual_seed(0)
+    sd = {"w": torch.randn(256, 64, generator=g) * 0.05, "step": torch.tensor(1, dtype=torch.int64)}
+    m1 = pub.publish(1, sd)
+    assert {k: e.dtype for k, e in m1.tensors.items()} == {"w": "BF16", "step": "I64"}
+    out = materialize(wstore, 1, None, tmp_path / "v1")
+    assert bits(load_file(out / "model.safetensors")["w"]) == bits(sd["w"].to(torch.bfloat16))
+    moved = {"w": sd["w"] + 1e-6 * torch.sign(torch.randn(256, 64, generator=g)), "step": sd["step"]}
+    assert (moved["w"] != sd["w"]).float().mean() > 0.99
+    m2 = pub.publish(2, moved)
+    assert m2.kind == "delta" and m2.tensors["w"].dtype == "BF16"
+    assert m2.tensors["w"].changed < 0.05 * moved["w"].numel()
+    assert WeightPublisher(wstore).publish(3, moved).tensors["w"].dtype == "F32"  # the default keeps dtypes
+    with pytest.raises(ValueError, match="float_dtype"):
+        WeightPublisher(wstore, float_dtype="I8")
+
+
 # -- corruption: each error names the version and the tensor --------------------------------------------------
 
 

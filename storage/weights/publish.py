@@ -61,6 +61,21 @@ def read_model_dir(model_dir: Path) -> dict[str, st.RawTensor]:
     return tensors
 
 
+# Floating dtypes a publisher may cast between (the fp8 formats are left as they are).
+_FLOATS = {"F16", "BF16", "F32", "F64"}
+
+
+def cast_float(t: st.RawTensor, dtype: str) -> st.RawTensor:
+    """``t`` converted to the floating ``dtype`` (round to nearest even, as torch and engines cast) if it is a
+    floating tensor of another dtype; other tensors unchanged. The one place the publisher computes with values."""
+    if t.dtype not in _FLOATS or t.dtype == dtype:
+        return t
+    import torch
+
+    to = getattr(torch, {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}[dtype])
+    return st.from_torch(st.to_torch(t).to(to))
+
+
 @dataclass
 class _Held:
     version: int
@@ -82,12 +97,18 @@ class WeightPublisher:
         keep: int = 3,
         max_delta_ratio: float = 0.5,
         zstd_level: int = ZSTD_LEVEL,
+        float_dtype: str | None = None,
     ) -> None:
         if full_every < 1 or keep < 1:
             raise ValueError("full_every and keep must be >= 1")
+        if float_dtype is not None and float_dtype not in _FLOATS:
+            raise ValueError(f"float_dtype {float_dtype!r}: one of {sorted(_FLOATS)} or None")
         self.wstore = wstore
         self.full_every, self.keep = full_every, keep
         self.max_delta_ratio, self.zstd_level = max_delta_ratio, zstd_level
+        # Cast floating tensors to this safetensors dtype (e.g. "BF16": what a --bf16 run's engines serve, while
+        # the trainer writes its fp32 masters) before anything is hashed or encoded; None keeps them as given.
+        self.float_dtype = float_dtype
         self._held: _Held | None = None
 
     def publish(
@@ -106,6 +127,8 @@ class WeightPublisher:
             tensors = read_model_dir(Path(weights))
         else:
             tensors = {k: v if isinstance(v, st.RawTensor) else st.from_torch(v) for k, v in weights.items()}
+        if self.float_dtype is not None:
+            tensors = {k: cast_float(t, self.float_dtype) for k, t in tensors.items()}
         sha = {k: sha256(t.data) for k, t in tensors.items()}
         files = {
             n: FileEntry(sha256=sha256(p.read_bytes()), size=p.stat().st_size) for n, p in aux_files(model_dir).items()
