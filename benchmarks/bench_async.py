@@ -37,7 +37,6 @@ import json
 import os
 import platform
 import random
-import re
 import shutil
 import statistics
 import subprocess
@@ -46,7 +45,8 @@ import tempfile
 import time
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+from bench_doc import DOC, write_section  # noqa: E402  (benchmarks/ is the script's own directory)
+
 SECTION = "## Asynchronous RL under a long-tailed response-length mix"  # + " (model)"
 MODES = ["sync", "one-step-off", "fully-async"]
 TAIL_ENV = "SLUICEWAY_BENCH_TAIL"  # the length mix, handed to the generate function in the run's process
@@ -207,18 +207,7 @@ def spread(xs: list[float], fmt: str = ".1f") -> str:
 
 
 def write_doc(text: str, section: str) -> None:
-    doc = (
-        DOC.read_text()
-        if DOC.exists()
-        else "# Benchmarks\n\nMeasured numbers; each section is refreshed by its script.\n"
-    )
-    pattern = re.compile(rf"{re.escape(section)}\n.*?(?=\n## |\Z)", re.S)
-    doc = (
-        pattern.sub(lambda _: text.rstrip("\n") + "\n", doc)
-        if pattern.search(doc)
-        else doc.rstrip("\n") + "\n\n" + text
-    )
-    DOC.write_text(doc)
+    write_section(text, section, DOC)
 
 
 def loadavg() -> str:

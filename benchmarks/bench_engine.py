@@ -20,17 +20,16 @@ from __future__ import annotations
 import argparse
 import platform
 import random
-import re
 import time
 from pathlib import Path
 
 import torch
+from bench_doc import DOC, write_section  # noqa: E402  (benchmarks/ is the script's own directory)
 
 from sluiceway.infra.engine import Engine, GenerateRequest, SamplingParams
 from sluiceway.infra.engine.core import dtype_from_name
 from sluiceway.models.zoo import load_hf_model, load_tokenizer, resolve_checkpoint
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 SECTION = "## Embedded engine vs transformers generate"
 
 
@@ -97,18 +96,7 @@ def bench_transformers(
 
 
 def write_doc(text: str) -> None:
-    doc = (
-        DOC.read_text()
-        if DOC.exists()
-        else "# Benchmarks\n\nMeasured numbers; each section is refreshed by its script.\n"
-    )
-    pattern = re.compile(rf"{re.escape(SECTION)}\n.*?(?=\n## |\Z)", re.S)
-    doc = (
-        pattern.sub(lambda _: text.rstrip("\n") + "\n", doc)
-        if pattern.search(doc)
-        else doc.rstrip("\n") + "\n\n" + text
-    )
-    DOC.write_text(doc)
+    write_section(text, SECTION, DOC)
 
 
 def main() -> None:

@@ -30,7 +30,6 @@ import argparse
 import functools
 import os
 import platform
-import re
 import shutil
 import statistics
 import sys
@@ -39,7 +38,8 @@ import threading
 import time
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+from bench_doc import DOC, write_section  # noqa: E402  (benchmarks/ is the script's own directory)
+
 SECTION = "## Orchestration overhead: Prefect tasks and Delta persistence"  # + " (model)": one section per model
 STAGES = ["rollout", "reward", "filter", "train", "sync"]
 
@@ -287,18 +287,7 @@ def spread(xs: list[float]) -> str:
 
 
 def write_doc(text: str, section: str) -> None:
-    doc = (
-        DOC.read_text()
-        if DOC.exists()
-        else "# Benchmarks\n\nMeasured numbers; each section is refreshed by its script.\n"
-    )
-    pattern = re.compile(rf"{re.escape(section)}\n.*?(?=\n## |\Z)", re.S)
-    doc = (
-        pattern.sub(lambda _: text.rstrip("\n") + "\n", doc)
-        if pattern.search(doc)
-        else doc.rstrip("\n") + "\n\n" + text
-    )
-    DOC.write_text(doc)
+    write_section(text, section, DOC)
 
 
 def main() -> None:

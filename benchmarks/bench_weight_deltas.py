@@ -36,7 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+from bench_doc import DOC, write_section  # noqa: E402  (benchmarks/ is the script's own directory)
+
 SECTION = "## Weight deltas: bytes shipped per update over a GRPO run"  # + " (model)"
 RUN_ID = "bench-weight-deltas"
 PUBLISHED = re.compile(r"weights v(\d+) published to .* \((full|delta), (\d+) bytes, ([\d.]+) s\)")
@@ -61,17 +62,7 @@ def mb(n: float) -> str:
 
 
 def write_doc(text: str, section: str) -> None:
-    doc = (
-        DOC.read_text()
-        if DOC.exists()
-        else "# Benchmarks\n\nMeasured numbers; each section is refreshed by its script.\n"
-    )
-    pattern = re.compile(rf"{re.escape(section)}\n.*?(?=\n## |\Z)", re.S)
-    if pattern.search(doc):
-        doc = pattern.sub(lambda _: text.rstrip("\n") + "\n", doc)
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + text
-    DOC.write_text(doc)
+    write_section(text, section, DOC)
 
 
 def rewards(out_dir: Path) -> list[float]:
