@@ -7,6 +7,7 @@ is generated from these models (see ``flows/cli.py``).
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Literal
@@ -127,6 +128,13 @@ class RolloutConfig(_Group):
         None, description="URLs of engines someone else runs (SGLang servers or `sluiceway engine`) to attach."
     )
     engine_max_running_requests: int = Field(64, ge=1, description="Sequences each embedded engine decodes at once.")
+    rollout_pools: list[str] | None = Field(
+        None,
+        description="Remote pools that take groups beside the run's own engines, as NAME=ROUTER_URL (e.g. "
+        "east=http://10.0.0.5:30000). Their agents pull each weight version from the weight store and report "
+        "there what they serve (needs update_weight_mode delta); a pool gets groups only while its version is "
+        "fresh enough for the step (docs/weight_sync.md). Each takes up to rollout_max_concurrency requests.",
+    )
 
 
 class RewardConfig(_Group):
@@ -437,6 +445,11 @@ class RunConfig(_Group):
             raise ValueError("partial_rollout cannot continue custom (multi-turn) generations: use one or the other")
         if r.rollout_num_engines == 0 and not r.rollout_external_engine_addrs:
             raise ValueError("no engines: set rollout_num_engines >= 1 or rollout_external_engine_addrs")
+        self.remote_pools  # noqa: B018 - parses and checks each NAME=URL
+        if r.rollout_pools and self.sync.update_weight_mode != "delta":
+            raise ValueError(
+                "rollout_pools need update_weight_mode delta: remote pools get weights only from the weight store"
+            )
         self._check_parallel()
         if self.data.prompt_data is None and command == "run":
             raise ValueError("data.prompt_data is required (--prompt-data FILE or env:NAME)")
@@ -482,6 +495,20 @@ class RunConfig(_Group):
                 f"global_batch_size ({t.global_batch_size}) must be a multiple of micro_batch_size x data parallel"
                 f" size ({t.micro_batch_size} x {dp}), so every data-parallel rank gets whole micro-batches"
             )
+
+    @property
+    def remote_pools(self) -> list[tuple[str, str]]:
+        """rollout_pools as (name, router URL) pairs."""
+        out: list[tuple[str, str]] = []
+        for spec in self.rollout.rollout_pools or []:
+            name, sep, url = spec.partition("=")
+            if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or not re.match(r"https?://[^/\s]+", url):
+                raise ValueError(f"rollout_pools: {spec!r} is not NAME=http://HOST:PORT")
+            if name == "local" or name in dict(out):
+                raise ValueError(f"rollout_pools: pool name {name!r} is taken (each pool needs its own; 'local' "
+                                 "is the run's own engines)")  # fmt: skip
+            out.append((name, url.rstrip("/")))
+        return out
 
     @property
     def run_id(self) -> str:

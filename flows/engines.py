@@ -7,6 +7,7 @@ can use it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -16,7 +17,10 @@ from sluiceway.infra.aio import BackgroundLoop
 from sluiceway.infra.pool import EnginePool
 from sluiceway.infra.router import HOST, SGLangRouter
 from sluiceway.infra.sglang_launcher import require_sglang, sglang_server_command
+from sluiceway.storage.object_store import ObjectStore
+from sluiceway.storage.weights import WeightStore
 from sluiceway.tasks.rollout.client import EngineClient
+from sluiceway.tasks.rollout.dispatch import PoolTarget
 
 log = logging.getLogger("sluiceway")
 
@@ -65,11 +69,26 @@ class RolloutEngines:
             self.router.close()
             raise
         self.loop = BackgroundLoop()
-        self.client = self.loop.run(self._make_client())
+        self.client = self.loop.run(self._make_client(self.router.url, self.pool.urls))
         self.weight_version = weight_version  # what the engines serve; set after each update
+        self.remote = self._remote_pools(cfg)
 
-    async def _make_client(self) -> EngineClient:
-        return EngineClient(self.router.url, self.pool.urls)  # created on the loop that will use it
+    async def _make_client(self, router_url: str, engine_urls: list[str]) -> EngineClient:
+        return EngineClient(router_url, engine_urls)  # created on the loop that will use it
+
+    def _remote_pools(self, cfg: RunConfig) -> list[PoolTarget]:
+        """Remote pools: generation through their routers; what they serve, from their agents' reports."""
+        if not cfg.remote_pools:
+            return []
+        wstore = WeightStore(ObjectStore.from_uri(cfg.weights_uri, cfg.storage.s3_endpoint_url, cfg.storage.s3_region))
+        targets = []
+        for name, url in cfg.remote_pools:
+            # No engine URLs: control calls (abort, weight updates) are the pool's own business.
+            client = self.loop.run(self._make_client(url, []))
+            targets.append(PoolTarget(name, client, cfg.rollout.rollout_max_concurrency,
+                                      read_version=functools.partial(reported_version, wstore, name)))  # fmt: skip
+        log.info("remote pools: %s (weight store %s)", ", ".join(f"{n}={u}" for n, u in cfg.remote_pools), wstore)
+        return targets
 
     def run(self, coro):
         return self.loop.run(coro)
@@ -91,8 +110,19 @@ class RolloutEngines:
 
     def close(self) -> None:
         try:
+            for t in self.remote:
+                self.run(t.client.aclose())
             self.run(self.client.aclose())
         finally:
             self.loop.close()
             self.pool.close()
             self.router.close()
+
+
+def reported_version(wstore: WeightStore, name: str) -> int | None:
+    """The oldest version pool ``name``'s engines serve, as its agent last reported (None: no report yet)."""
+    status = wstore.pool_status(name)
+    if status is None:
+        return None
+    v = status.get("serving", status.get("version"))
+    return int(v) if v is not None else None

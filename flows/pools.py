@@ -89,8 +89,14 @@ class LocalPool:
 
 
 @contextlib.contextmanager
-def local_pool(spec: PoolSpec, work_dir: Path, *, poll: bool = True, env: dict[str, str] | None = None):
-    """One pool: router, engines, agent (polling in a thread when ``poll``); all stopped on exit."""
+def local_pool(
+    spec: PoolSpec, work_dir: Path, *, poll: bool = True, env: dict[str, str] | None = None, wait: bool = True
+):
+    """One pool: router, engines, agent (polling in a thread when ``poll``); all stopped on exit.
+
+    ``wait=False`` returns once the engines are launched: the caller waits (``engines.wait_ready()``) and starts
+    the agent, so that several pools load their models side by side.
+    """
     from sluiceway.models.zoo import resolve_checkpoint
 
     pool_dir = work_dir / spec.name
@@ -99,14 +105,16 @@ def local_pool(spec: PoolSpec, work_dir: Path, *, poll: bool = True, env: dict[s
     wstore = WeightStore(ObjectStore.from_uri(spec.weights_uri))
     with contextlib.ExitStack() as stack:
         router = stack.enter_context(SGLangRouter(logs, health_check_interval_s=2))
-        engines = stack.enter_context(
-            EnginePool(model, spec.num_engines, logs, router=router, env=env, engine_args=tuple(spec.engine_args))
-        )
+        engines = EnginePool(model, spec.num_engines, logs, router=router, env=env, engine_args=tuple(spec.engine_args))
+        stack.callback(engines.close)
+        engines.spawn()
         agent = PoolAgent(spec.name, wstore, lambda: engines.urls, pool_dir / "agent", region=spec.region,
                           poll_interval_s=spec.poll_interval_s)  # fmt: skip
         stack.callback(agent.stop)
-        if poll:
-            agent.start()
+        if wait:
+            engines.wait_ready()
+            if poll:
+                agent.start()
         yield LocalPool(spec, router, engines, agent)
 
 
@@ -120,9 +128,15 @@ def local_pools(spec: PoolsFile, work_dir: Path, *, poll: bool = True) -> Iterat
             server = SeaweedS3(s.data_dir or work_dir / "seaweedfs", s.bucket, s.access_key, s.secret_key)
             stack.enter_context(server)
             os.environ.update(server.env())  # the agents (threads here) find the store the usual way: AWS_*
-        # One after another, from this thread: engines die with the thread that started them (PR_SET_PDEATHSIG),
-        # so a worker thread per pool would take its engines down when it ends.
-        yield [stack.enter_context(local_pool(p, work_dir, poll=poll)) for p in spec.pools]
+        # Launched from this thread (engines die with the thread that started them: PR_SET_PDEATHSIG, so a worker
+        # thread per pool would take its engines down when it ends), then waited for together.
+        pools = [stack.enter_context(local_pool(p, work_dir, poll=poll, wait=False)) for p in spec.pools]
+        for p in pools:
+            p.engines.wait_ready()
+        if poll:
+            for p in pools:
+                p.agent.start()
+        yield pools
 
 
 def pools_up(path: str | Path, work_dir: str | Path) -> int:

@@ -82,10 +82,24 @@ def rollout_task(run_id: str, step: int) -> dict:
             settings=s,
             decode=rt.decode,
             on_progress=lambda done, need: rt.console.update(f"rollout step {step + 1}", done, need),
+            remote_pools=rt.engines.remote,
+            min_version=pool_min_version(rt.cfg, step, version_at_start) if rt.engines.remote else None,
         )
     )
     # Wall-clock bounds and the weights the engines held at the start: what overlap and staleness are measured by.
     return dataclasses.asdict(res) | {"started": started, "ended": time.time(), "engine_version": version_at_start}
+
+
+def pool_min_version(cfg: RunConfig, step: int, engines_version: int) -> int:
+    """The oldest weight version a remote pool may serve to take groups of ``step``.
+
+    In sync and one-step-off mode a pool must be as current as the run's own engines. In fully-async mode it
+    may lag the version that will train on the step (the trainer's version equals the steps it trained) by up
+    to max_staleness, but never needs to be newer than the run's own engines.
+    """
+    if cfg.rollout.mode != "fully-async":
+        return engines_version
+    return min(engines_version, step - (cfg.rollout.max_staleness or 2))
 
 
 @task(name="reward", cache_policy=NO_CACHE, persist_result=False)

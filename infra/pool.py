@@ -90,6 +90,7 @@ class EnginePool:
         self.engines: list[Engine] = []
         self._http = httpx.Client(timeout=health_timeout_s, trust_env=False)
         self._started = False
+        self._ready = False
 
     @property
     def urls(self) -> list[str]:
@@ -128,6 +129,12 @@ class EnginePool:
         return Engine(url=f"http://{HOST}:{port}", process=proc, log_path=log_path)
 
     def start(self) -> Self:
+        """Spawn the engines and wait until every one is healthy (and behind the router)."""
+        return self.spawn().wait_ready()
+
+    def spawn(self) -> Self:
+        """Launch the embedded engines without waiting for them: several pools can then load their models at
+        once, from the thread that owns them (engines die with the thread that started them: infra/proc.py)."""
         if self._started:
             return self
         self._started = True
@@ -135,9 +142,17 @@ class EnginePool:
         atexit.register(self.stop)
         try:
             # All engines load their model at once; waiting one by one would serialize the startup.
-            started = [self._spawn(i) for i in range(self.num_engines)]
-            self.engines.extend(started)
-            self._wait_healthy(started, self.startup_timeout_s)
+            self.engines.extend(self._spawn(i) for i in range(self.num_engines))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self) -> Self:
+        if self._ready:
+            return self
+        try:
+            self._wait_healthy(list(self.engines), self.startup_timeout_s)
             external = [Engine(url=u) for u in self.external_urls]
             self._wait_healthy(external, min(self.startup_timeout_s, 60.0))
             self.engines.extend(external)
@@ -147,6 +162,7 @@ class EnginePool:
         except BaseException:
             self.stop()
             raise
+        self._ready = True
         return self
 
     def _healthy(self, url: str) -> bool:
@@ -219,8 +235,7 @@ class EnginePool:
                     pass
         for proc in ours:
             stop_process_group(proc)
-        self.engines.clear()
-        self._started = False
+        self._started = self._ready = False
         atexit.unregister(self.stop)
 
     def close(self) -> None:

@@ -12,8 +12,11 @@ exactly (a corrupted delta, a missing file) leaves ``current`` and the engines a
 the version and tensor, is logged and kept in the status until a later version goes through.
 
 The status (``work_dir/status.json``, rewritten atomically after every poll) is what the agent reports:
-``{"pool", "region", "version", "engines": {url: version}, "error", "updated"}``; ``version`` is the version
-every engine serves, or null while they disagree.
+``{"pool", "region", "version", "serving", "engines": {url: version}, "error", "updated"}``; ``version`` is the
+version every engine serves, or null while they disagree; ``serving`` is the oldest version any reachable engine
+serves (what a run must assume of a request the router sends anywhere in the pool). The same status goes to the
+weight store (``pools/NAME.json``) when it changes and at least every ``heartbeat_s``: that is how a run in
+another datacenter learns which version the pool serves (``tasks/rollout/dispatch.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,6 +48,7 @@ class PoolAgent:
         region: str = "",
         poll_interval_s: float = 2.0,
         load_timeout_s: float = 600.0,
+        heartbeat_s: float = 30.0,
     ) -> None:
         self.name, self.region = name, region
         self.wstore = wstore
@@ -52,6 +57,8 @@ class PoolAgent:
         self.current = self.work_dir / "current"  # the materialized HF directory the engines load
         self.status_path = self.work_dir / "status.json"
         self.poll_interval_s = poll_interval_s
+        self.heartbeat_s = heartbeat_s
+        self._reported: tuple[dict, float] | None = None  # last status sent to the store, and when
         self.error: str | None = None
         self.engines: dict[str, int | None] = {}
         self._http = httpx.Client(timeout=load_timeout_s, trust_env=False)  # loopback/LAN engines: never a proxy
@@ -68,6 +75,12 @@ class PoolAgent:
         """The version every engine serves, or None while they disagree (or before the first poll)."""
         found = set(self.engines.values())
         return found.pop() if len(found) == 1 and self.engines else None
+
+    @property
+    def serving(self) -> int | None:
+        """The oldest version a reachable engine serves (None: none reachable)."""
+        found = [v for v in self.engines.values() if v is not None]
+        return min(found) if found else None
 
     def poll_once(self) -> int | None:
         """Fetch and load the newest version if there is one; returns the version the pool serves."""
@@ -121,6 +134,7 @@ class PoolAgent:
             "pool": self.name,
             "region": self.region,
             "version": self.version,
+            "serving": self.serving,
             "held": self.held,
             "engines": self.engines,
             "error": self.error,
@@ -130,8 +144,23 @@ class PoolAgent:
     def _write_status(self) -> None:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.status_path.with_name(f".status.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.status(), indent=1))
+        status = self.status()
+        tmp.write_text(json.dumps(status, indent=1))
         os.replace(tmp, self.status_path)  # a reader never sees half a status
+        self._report(status)
+
+    def _report(self, status: dict) -> None:
+        """Send the status to the weight store when it changed, else once per heartbeat (cheap on S3)."""
+        now = time.monotonic()
+        same = {k: v for k, v in status.items() if k != "updated"}
+        if self._reported is not None and self._reported[0] == same and now - self._reported[1] < self.heartbeat_s:
+            return
+        try:
+            self.wstore.write_pool_status(self.name, status)
+        except OSError as exc:  # the store is unreachable for now: the pool still serves; next poll tries again
+            log.warning("pool %s: could not report status to %s: %s", self.name, self.wstore, exc)
+            return
+        self._reported = (same, now)
 
     # -- background polling ------------------------------------------------------------------------------------
 

@@ -50,6 +50,9 @@ def assert_pool_serves(pool, version: int) -> None:
         assert gen.json()["meta_info"]["weight_version"] == str(version)
     status = json.loads(pool.agent.status_path.read_text())
     assert status["version"] == version and set(status["engines"].values()) == {version}
+    # The same report on the store, where a run in another place reads what the pool serves.
+    reported = pool.agent.wstore.pool_status(pool.spec.name)
+    assert reported["serving"] == version and reported["engines"] == status["engines"]
 
 
 def test_pools_pull_deltas_and_refuse_a_corrupted_one(s3_server, tmp_path, monkeypatch):
@@ -133,6 +136,9 @@ def test_published_dtype_follows_the_training_dtype(tmp_path, bf16):
     Runtime._publish_weights(rt, hf)
     m = WeightStore(ObjectStore.from_uri(cfg.weights_uri)).manifest(1)
     assert {k: e.dtype for k, e in m.tensors.items()} == {"w": "BF16" if bf16 else "F32", "ids": "I64"}
+    # ... and its config says so: an engine loading with dtype "auto" serves the published dtype, not fp32.
+    published = json.loads(WeightStore(ObjectStore.from_uri(cfg.weights_uri)).read_file(1, "config.json"))
+    assert published == ({"torch_dtype": "bfloat16"} if bf16 else {})
 
 
 @pytest.mark.slow  # a whole run: about 70 s on 2 busy cores

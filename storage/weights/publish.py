@@ -9,6 +9,7 @@ that would not be much smaller than the tensors themselves is written as a full 
 from __future__ import annotations
 
 import hashlib
+import json
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -63,6 +64,22 @@ def read_model_dir(model_dir: Path) -> dict[str, st.RawTensor]:
 
 # Floating dtypes a publisher may cast between (the fp8 formats are left as they are).
 _FLOATS = {"F16", "BF16", "F32", "F64"}
+_TORCH_NAMES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
+
+
+def config_with_dtype(config: Path, dtype: str, out_dir: Path) -> Path:
+    """``config`` saying the weights are ``dtype`` (an engine with dtype "auto" loads what the config says):
+    the same file if it already does, else a rewritten copy in ``out_dir``."""
+    cfg = json.loads(config.read_text())
+    name = _TORCH_NAMES[dtype]
+    keys = [k for k in ("torch_dtype", "dtype") if k in cfg] or ["torch_dtype"]  # transformers 5 writes "dtype"
+    if all(cfg.get(k) == name for k in keys):
+        return config
+    for k in keys:
+        cfg[k] = name
+    out = out_dir / "config.json"
+    out.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return out
 
 
 def cast_float(t: st.RawTensor, dtype: str) -> st.RawTensor:
@@ -130,26 +147,27 @@ class WeightPublisher:
         if self.float_dtype is not None:
             tensors = {k: cast_float(t, self.float_dtype) for k, t in tensors.items()}
         sha = {k: sha256(t.data) for k, t in tensors.items()}
-        files = {
-            n: FileEntry(sha256=sha256(p.read_bytes()), size=p.stat().st_size) for n, p in aux_files(model_dir).items()
-        }
-        latest = self.wstore.latest()
-        if latest is not None and version <= latest:
-            return self._existing(version, tensors, sha, files, latest)
-        held = self._held
-        delta_ok = (
-            held is not None
-            and held.version == latest  # still the newest on the store (no other writer went in between)
-            and held.chain + 1 < self.full_every
-            and held.files == files
-        )
         with tempfile.TemporaryDirectory(prefix="sluiceway-weights-") as tmp:
+            aux = aux_files(model_dir)
+            if self.float_dtype is not None and "config.json" in aux:
+                aux["config.json"] = config_with_dtype(aux["config.json"], self.float_dtype, Path(tmp))
+            files = {n: FileEntry(sha256=sha256(p.read_bytes()), size=p.stat().st_size) for n, p in aux.items()}
+            latest = self.wstore.latest()
+            if latest is not None and version <= latest:
+                return self._existing(version, tensors, sha, files, latest)
+            held = self._held
+            delta_ok = (
+                held is not None
+                and held.version == latest  # still the newest on the store (no other writer went in between)
+                and held.chain + 1 < self.full_every
+                and held.files == files
+            )
             manifest = self._delta(version, tensors, sha, files, Path(tmp)) if delta_ok else None
             if manifest is None:
                 manifest = self._full(version, tensors, sha, files, Path(tmp), model_dir)
             local = {manifest.data_file: Path(tmp) / manifest.data_file}
             if manifest.kind == "full":
-                local.update(aux_files(model_dir))
+                local.update(aux)
             self.wstore.write_version(manifest, local)
         chain = 0 if manifest.kind == "full" else held.chain + 1
         self._held = _Held(version, tensors, sha, files, manifest.full_version, chain)

@@ -8,6 +8,10 @@
   group filter, if any), the rest are aborted. Aborted samples keep the tokens generated so far, with the
   weight version that made them, as `aborted` rows; with `partial_rollout` the next step continues them
   from those tokens under the new weights (APRIL), optionally masking the old-policy tokens out of the loss.
+- Pools: each group goes to one pool of engines (tasks/rollout/dispatch.py): the run's own, or remote pools
+  that serve a fresh enough weight version. A remote pool's requests cannot be aborted through its router, so
+  once the step has enough groups they are dropped on our side and stored as aborted; a remote pool that
+  fails a request is benched and its group goes elsewhere. Rows record the pool and the versions that made them.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from sluiceway.storage.trajectories import read_trajectories
+from sluiceway.tasks.rollout.client import EngineError
+from sluiceway.tasks.rollout.dispatch import LOCAL, PoolDispatcher, PoolTarget
 from sluiceway.tasks.rollout.multiturn import GenerateContext
 from sluiceway.tasks.rollout.writer import GroupWriter
 
@@ -139,7 +145,7 @@ def plan_step(
     return work
 
 
-def _row(run_id, step, w: GroupWork, i: int, res, decode, s: RolloutSettings, engine: str) -> dict:
+def _row(run_id, step, w: GroupWork, i: int, res, decode, s: RolloutSettings, engine: str, pool: str) -> dict:
     part = w.partials[i]
     tokens = part.token_ids + res.token_ids
     # A multi-turn TokenBuffer brings its own mask (environment tokens 0) and versions.
@@ -171,7 +177,7 @@ def _row(run_id, step, w: GroupWork, i: int, res, decode, s: RolloutSettings, en
         "weight_version": versions[-1],
         "weight_versions": versions,
         "engine": engine,
-        "pool": "default",
+        "pool": pool,
         "gen_time_s": res.latency_s,
         "created_at": datetime.now(UTC),
         "metadata": json.dumps(meta),
@@ -201,10 +207,13 @@ async def run_rollout(
     group_filter: Callable[[list[dict]], str | None] | None = None,
     engine: str = "router",
     on_progress: Callable[[int, int], None] | None = None,
+    remote_pools: list[PoolTarget] = (),
+    min_version: int | None = None,
 ) -> RolloutResult:
     """Generate the planned groups the table does not hold yet; stop when `groups_needed` have finished.
 
-    `on_progress(finished, needed)` is called as groups finish (a console progress bar, say).
+    `client` reaches the run's own engines; `remote_pools` take groups too while they serve `min_version` or
+    newer. `on_progress(finished, needed)` is called as groups finish (a console progress bar, say).
     """
     t0 = time.perf_counter()
     s = settings
@@ -216,36 +225,52 @@ async def run_rollout(
     enough = asyncio.Event()
     if state["finished"] >= s.groups_needed:
         enough.set()
-    sem = asyncio.Semaphore(s.max_concurrency)
+    local = PoolTarget(LOCAL, client, s.max_concurrency, local=True)
+    dispatcher = PoolDispatcher([local, *remote_pools], min_version)
     versions_seen: list[int] = []
     writer = GroupWriter(store)
 
-    async def sample(w: GroupWork, i: int):
-        async with sem:
-            if enough.is_set():
-                return _Aborted(weight_version=versions_seen[-1] if versions_seen else 0)
-            part = w.partials[i]
-            params = {
-                "max_new_tokens": s.max_new_tokens - len(part.token_ids),
-                "temperature": s.temperature,
-                "top_p": s.top_p,
-                "stop_token_ids": s.stop_token_ids,
-                "sampling_seed": sample_seed(s.seed, step, w.group_id, i),
-            }
-            if params["max_new_tokens"] <= 0:  # nothing left to generate: the partial is already full length
-                return _Aborted(finish_reason="length", weight_version=part.weight_versions[-1])
-            rid = request_id(run_id, step, w.group_id, i)
-            if s.custom_generate is not None:
-                ctx = GenerateContext(client, s.tokenizer, rid, s.max_new_tokens)
-                res = await s.custom_generate(ctx, w.prompt, params)
-            else:
-                res = await client.generate(w.prompt.token_ids + part.token_ids, params, rid=rid)
-            versions_seen.append(res.weight_version)
-            return res
+    async def sample(w: GroupWork, i: int, target: PoolTarget):
+        if enough.is_set():
+            return _Aborted(weight_version=versions_seen[-1] if versions_seen else 0)
+        part = w.partials[i]
+        params = {
+            "max_new_tokens": s.max_new_tokens - len(part.token_ids),
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "stop_token_ids": s.stop_token_ids,
+            "sampling_seed": sample_seed(s.seed, step, w.group_id, i),
+        }
+        if params["max_new_tokens"] <= 0:  # nothing left to generate: the partial is already full length
+            return _Aborted(finish_reason="length", weight_version=part.weight_versions[-1])
+        rid = request_id(run_id, step, w.group_id, i)
+        if s.custom_generate is not None:
+            ctx = GenerateContext(target.client, s.tokenizer, rid, s.max_new_tokens)
+            call = s.custom_generate(ctx, w.prompt, params)
+        else:
+            call = target.client.generate(w.prompt.token_ids + part.token_ids, params, rid=rid)
+        res = await call if target.local else await _unless(enough, call)
+        if res is None:  # the step had enough groups first; the remote request is dropped, not waited for
+            return _Aborted(weight_version=target.version or 0)
+        versions_seen.append(res.weight_version)
+        return res
+
+    async def generate_group(w: GroupWork) -> tuple[list, PoolTarget]:
+        while True:
+            target = await dispatcher.acquire(s.n_samples)
+            try:
+                return await _all_or_none([sample(w, i, target) for i in range(s.n_samples)]), target
+            except EngineError as exc:
+                if target.local:
+                    raise
+                dispatcher.bench(target, str(exc))  # the group goes to another pool
+            finally:
+                await dispatcher.release(target, s.n_samples)
 
     async def group(w: GroupWork):
-        results = await asyncio.gather(*(sample(w, i) for i in range(s.n_samples)))
-        rows = [_row(run_id, step, w, i, r, decode, s, engine) for i, r in enumerate(results)]
+        results, target = await generate_group(w)
+        where = engine if target.local else target.client.router_url
+        rows = [_row(run_id, step, w, i, r, decode, s, where, target.name) for i, r in enumerate(results)]
         if any(r["status"] == "aborted" for r in rows):
             # A group is trained on whole or not at all: finished samples of a cut group are kept as
             # partials too (they carry no further tokens), so the next step sees the group intact.
@@ -254,6 +279,9 @@ async def run_rollout(
             state["aborted_groups"] += 1
         else:
             reason = group_filter(rows) if group_filter else None
+            made_by = [r.weight_version for r in results if r.token_ids]
+            if reason is None and min_version is not None and made_by and min(made_by) < min_version:
+                reason = "stale"  # the pool reported a fresher version than it served
             if reason is None and state["finished"] >= s.groups_needed:
                 reason = "surplus"  # finished after the step already had enough groups
             for r in rows:
@@ -277,3 +305,29 @@ async def run_rollout(
         samples_written=state["written"],
         gen_time_s=time.perf_counter() - t0,
     )
+
+
+async def _unless(event: asyncio.Event, call):
+    """``await call``, unless ``event`` is set first: then the call is cancelled and None returned."""
+    task = asyncio.ensure_future(call)
+    stop = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    return None
+
+
+async def _all_or_none(calls: list) -> list:
+    """Every call's result in order; if one raises, the others are cancelled and the error re-raised."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

@@ -49,7 +49,11 @@ def rollout_metrics(table: pa.Table) -> dict[str, float]:
     for r in rows:
         by_group.setdefault(r["group_id"], []).append(r["reward"])
     n = max(len(rows), 1)
-    return {
+    per_pool: dict[str, float] = {}
+    for r in rows:  # which pools the trained samples came from (local: the run's own engines)
+        key = f"rollout/pool/{r['pool']}/samples"
+        per_pool[key] = per_pool.get(key, 0.0) + 1
+    return per_pool | {
         "reward_mean": sum(rewards) / n,
         "response_len_mean": sum(lengths) / n,
         "truncated_frac": sum(r["status"] == "truncated" for r in rows) / n,

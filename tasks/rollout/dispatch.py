@@ -1,0 +1,115 @@
+"""Which pool of engines generates a group: the run's own engines, or remote pools that pull weights on their own.
+
+A remote pool (engines behind a router in another place, kept current by a pool agent: infra/pool_agent.py)
+serves whatever weight version its agent has loaded so far. A group goes to a pool only if that version is fresh
+enough for the step (``min_version``): in the synchronous modes as fresh as the run's own engines, in fully-async
+mode at most ``max_staleness`` versions behind the version that will train on it. Among the pools that qualify,
+the one with the most free capacity takes the group, so a fast pool takes more groups and a lagging pool takes
+none: the run never waits for a slow pool while its own engines can do the work.
+
+The run's own engines ("local") always qualify: the flow updates them itself, before the step's rollout.
+A remote pool that fails a request (its router unreachable, every engine gone) is benched for ``bench_s`` and
+its group goes to another pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger("sluiceway")
+
+LOCAL = "local"
+
+
+@dataclass
+class PoolTarget:
+    name: str
+    client: object  # EngineClient: generate() through the pool's router
+    capacity: int  # samples in flight at once
+    local: bool = False  # the run's own engines: abortable, always current
+    # What the pool serves now (None: unknown); remote pools read their agent's report (a blocking call).
+    read_version: Callable[[], int | None] | None = None
+    version: int | None = None
+    in_flight: int = 0
+    benched_until: float = 0.0
+    read_at: float = field(default=-1e9, repr=False)
+
+
+class PoolDispatcher:
+    """Leases capacity on the qualifying pool with the most room; waits while none has room."""
+
+    def __init__(
+        self,
+        targets: list[PoolTarget],
+        min_version: int | None = None,
+        refresh_s: float = 1.0,
+        bench_s: float = 30.0,
+        wait_s: float = 0.5,
+    ) -> None:
+        if not targets:
+            raise ValueError("no pool to generate with")
+        self.targets = targets
+        self.min_version = min_version
+        self.refresh_s, self.bench_s, self.wait_s = refresh_s, bench_s, wait_s
+        self._changed = asyncio.Condition()
+        self._skipped: set[str] = set()  # pools already logged as too stale this rollout
+
+    def qualifies(self, t: PoolTarget, now: float) -> bool:
+        if t.local:
+            return True
+        if now < t.benched_until:
+            return False
+        if self.min_version is None:
+            return t.version is not None
+        return t.version is not None and t.version >= self.min_version
+
+    async def _refresh(self) -> None:
+        now = time.monotonic()
+        due = [t for t in self.targets if t.read_version is not None and now - t.read_at >= self.refresh_s]
+        for t in due:
+            t.read_at = now
+        versions = await asyncio.gather(*(asyncio.to_thread(t.read_version) for t in due), return_exceptions=True)
+        for t, v in zip(due, versions, strict=True):
+            if isinstance(v, BaseException):
+                log.warning("pool %s: could not read what it serves: %s", t.name, v)
+                continue
+            t.version = v
+            if not self.qualifies(t, now) and t.name not in self._skipped and now >= t.benched_until:
+                self._skipped.add(t.name)
+                log.info("pool %s serves v%s, older than v%s this step needs: skipped", t.name, v, self.min_version)
+
+    def pick(self, n: int) -> PoolTarget | None:
+        """The qualifying pool with the most free capacity that fits ``n`` samples (a group), if any."""
+        now = time.monotonic()
+        free = [
+            (t.capacity - t.in_flight, -i, t)
+            for i, t in enumerate(self.targets)
+            if self.qualifies(t, now) and t.capacity - t.in_flight >= min(n, t.capacity)
+        ]
+        return max(free, key=lambda x: x[:2])[2] if free else None
+
+    async def acquire(self, n: int) -> PoolTarget:
+        while True:
+            await self._refresh()
+            async with self._changed:
+                target = self.pick(n)
+                if target is not None:
+                    target.in_flight += n
+                    return target
+                try:  # woken by a release, or re-checked after wait_s for pools that caught up
+                    await asyncio.wait_for(self._changed.wait(), self.wait_s)
+                except TimeoutError:
+                    pass
+
+    async def release(self, target: PoolTarget, n: int) -> None:
+        async with self._changed:
+            target.in_flight -= n
+            self._changed.notify_all()
+
+    def bench(self, target: PoolTarget, reason: str) -> None:
+        target.benched_until = time.monotonic() + self.bench_s
+        log.warning("pool %s failed (%s); no new groups for %.0f s", target.name, reason, self.bench_s)

@@ -1,0 +1,134 @@
+"""A run that takes rollouts from remote pools beside its own engines (tasks/rollout/dispatch.py).
+
+- The dispatcher's rule: local engines always qualify; a remote pool only while the version its agent reports
+  is fresh enough, and not while benched; the pool with most room takes the group.
+- End to end on tiny-llama, fully-async with max_staleness 1: pool "east" follows every weight version through
+  its agent, pool "west" stays on the base weights, pool "dead" reports a version but its router is gone. The run
+  finishes without waiting on either; trajectories name the pool that made them; no trained sample is older than
+  the limit; "west" gets groups only while v0 is fresh enough; "dead"'s groups went elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+
+import pytest
+from test_e2e_loop import BATCH, N, run_cli
+
+from sluiceway.flows.config import RunConfig
+from sluiceway.flows.pools import PoolsFile, PoolSpec, local_pools
+from sluiceway.flows.rl import pool_min_version
+from sluiceway.models.zoo import resolve_checkpoint
+from sluiceway.storage.metrics import metrics_frame
+from sluiceway.storage.object_store import ObjectStore
+from sluiceway.storage.trajectories import read_trajectories
+from sluiceway.storage.weights import WeightStore
+from sluiceway.tasks.rollout.dispatch import LOCAL, PoolDispatcher, PoolTarget
+
+
+def targets(**versions) -> list[PoolTarget]:
+    out = [PoolTarget(LOCAL, client=None, capacity=8, local=True)]
+    for name, v in versions.items():
+        out.append(PoolTarget(name, client=None, capacity=8, version=v))
+    return out
+
+
+def test_dispatch_rules():
+    t = targets(east=3, west=1, unknown=None)
+    d = PoolDispatcher(t, min_version=2)
+    assert [x.name for x in t if d.qualifies(x, 0.0)] == ["local", "east"]
+    assert d.pick(4).name == "local"  # equal room: the run's own engines first
+    t[0].in_flight = 6
+    assert d.pick(4).name == "east"  # more room
+    d.bench(t[1], "router unreachable")
+    assert d.pick(4) is None  # local has 2 free of 8: a group of 4 waits
+    assert d.pick(2).name == "local"
+    t[0].in_flight = 0
+    assert d.pick(12).name == "local"  # a group larger than a pool's capacity runs alone on it
+
+
+def test_acquire_waits_for_room_and_reads_versions():
+    async def scenario():
+        reads = []
+        west = PoolTarget("west", client=None, capacity=4, read_version=lambda: reads.append(1) or 5)
+        local = PoolTarget(LOCAL, client=None, capacity=4, local=True)
+        d = PoolDispatcher([local, west], min_version=5, refresh_s=0.0, wait_s=5.0)
+        first, second = await d.acquire(4), await d.acquire(4)
+        assert {first.name, second.name} == {"local", "west"} and west.version == 5 and reads
+        third = asyncio.ensure_future(d.acquire(4))
+        await asyncio.sleep(0.05)
+        assert not third.done()  # no room anywhere
+        await d.release(first, 4)
+        assert (await asyncio.wait_for(third, 1.0)) is first  # a release wakes the waiter at once
+
+    asyncio.run(scenario())
+
+
+def test_min_version_per_mode():
+    cfg = RunConfig.model_validate({"data": {"prompt_data": "env:arithmetic"}})
+    assert pool_min_version(cfg, 5, engines_version=5) == 5  # sync: as current as the run's engines
+    cfg.rollout.mode, cfg.rollout.max_staleness = "fully-async", 2
+    assert pool_min_version(cfg, 5, engines_version=4) == 3  # trained at v5: up to 2 behind
+    assert pool_min_version(cfg, 5, engines_version=1) == 1  # never stricter than the run's own engines
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--rollout-pools", "east"], "rollout_pools: 'east' is not NAME=http://HOST:PORT"),
+        (["--rollout-pools", "local=http://h:1", "--update-weight-mode", "delta"], "pool name 'local' is taken"),
+        (["--rollout-pools", "east=http://h:1"], "rollout_pools need update_weight_mode delta"),
+    ],
+)
+def test_bad_pool_flags_are_one_line(flags, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "sluiceway.flows.cli", "config", "--prompt-data", "env:arithmetic", *flags],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_run_takes_groups_from_remote_pools_without_waiting_for_slow_ones(tmp_path):
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    weights = tmp_path / "weight_store"
+    model = resolve_checkpoint("tiny-llama", cache_dir=cache)
+    wstore = WeightStore(ObjectStore.from_uri(str(weights)))
+    spec = PoolsFile(
+        pools=[PoolSpec(name=n, model=str(model), num_engines=1, weights_uri=str(weights), poll_interval_s=0.2)
+               for n in ("east", "west")]
+    )  # fmt: skip
+    with local_pools(spec, tmp_path / "pools", poll=False) as (east, west):
+        east.agent.start()  # follows every version the run publishes
+        assert west.agent.poll_once() == 0  # reports the base weights once, then never updates
+        wstore.write_pool_status("dead", {"pool": "dead", "serving": 0})  # claims v0; nothing listens
+        dead = f"http://127.0.0.1:{free_port()}"
+        steps = 4
+        proc = run_cli(
+            run_dir, cache, "--num-rollout", str(steps), "--mode", "fully-async", "--max-staleness", "1",
+            "--rollout-max-concurrency", str(N), "--update-weight-mode", "delta", "--weights-uri", str(weights),
+            "--rollout-pools", f"east={east.url}", f"west={west.url}", f"dead={dead}",
+        )  # fmt: skip
+        assert east.agent.version == steps  # it loaded the last version the run published
+    assert "pool dead failed" in proc.stderr  # it was given a group, failed, and was benched
+
+    rows = read_trajectories(ObjectStore.from_uri(str(run_dir / "tables")), "run").to_pylist()
+    trained = [r for r in rows if r["status"] != "aborted" and r["filter_reason"] is None]
+    for k in range(steps):  # every step trained a full batch
+        assert sum(r["step"] == k for r in trained) == BATCH * N
+    pools = {r["pool"] for r in trained}
+    assert {"local", "east", "west"} <= pools and "dead" not in {r["pool"] for r in rows}
+    # Step k trains at version k: no trained token is more than max_staleness 1 behind.
+    assert all(r["step"] - min(r["weight_versions"]) <= 1 for r in trained)
+    assert {r["step"] for r in trained if r["pool"] == "west"} <= {0, 1}  # v0 is fresh enough for steps 0-1 only
+    assert any(r["pool"] == "east" and r["weight_version"] >= 1 for r in trained)  # east served new versions
+    m = metrics_frame(ObjectStore.from_uri(str(run_dir / "tables")), "run")
+    assert m["rollout/pool/west/samples"].fillna(0).sum() == sum(r["pool"] == "west" for r in trained)
