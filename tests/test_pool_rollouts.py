@@ -14,6 +14,7 @@ import asyncio
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from test_e2e_loop import BATCH, N, run_cli
@@ -118,7 +119,9 @@ def test_run_takes_groups_from_remote_pools_without_waiting_for_slow_ones(tmp_pa
             "--rollout-pools", f"east={east.url}", f"west={west.url}", f"dead={dead}",
         )  # fmt: skip
         assert east.agent.version == steps  # it loaded the last version the run published
-    assert "pool dead failed" in proc.stderr  # it was given a group, failed, and was benched
+    # "dead" was given a group, which failed (benched) or was hedged on the run's own engines first.
+    assert "pool dead failed" in proc.stderr or "pool dead slow" in proc.stderr
+    assert "Task was destroyed" not in proc.stderr  # nothing left pending by a cancelled request
 
     rows = read_trajectories(ObjectStore.from_uri(str(run_dir / "tables")), "run").to_pylist()
     trained = [r for r in rows if r["status"] != "aborted" and r["filter_reason"] is None]
@@ -132,3 +135,82 @@ def test_run_takes_groups_from_remote_pools_without_waiting_for_slow_ones(tmp_pa
     assert any(r["pool"] == "east" and r["weight_version"] >= 1 for r in trained)  # east served new versions
     m = metrics_frame(ObjectStore.from_uri(str(run_dir / "tables")), "run")
     assert m["rollout/pool/west/samples"].fillna(0).sum() == sum(r["pool"] == "west" for r in trained)
+
+
+class SlowLink:
+    """An HTTP hop that holds every request `delay_s` before passing it on: a pool behind a slow link."""
+
+    def __init__(self, upstream: str, delay_s: float):
+        import http.server
+        import threading
+
+        import httpx
+
+        link = self
+        self.requests = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - the stdlib's name
+                link.requests += 1
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                time.sleep(delay_s)
+                try:
+                    r = httpx.post(upstream + self.path, content=body, timeout=60, trust_env=False,
+                                   headers={"Content-Type": "application/json"})  # fmt: skip
+                    status, data = r.status_code, r.content
+                except httpx.HTTPError:
+                    status, data = 502, b"{}"
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except OSError:  # the client gave up on us (the group was hedged): nothing to answer
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_slow_pool_is_hedged_on_the_run_s_own_engines(tmp_path, caplog):
+    from test_rollout import make_prompts, settings, start_stack
+
+    from sluiceway.models.zoo import load_tokenizer
+    from sluiceway.tasks.rollout.client import EngineClient
+    from sluiceway.tasks.rollout.rollout import plan_step, run_rollout
+
+    model = resolve_checkpoint("tiny-llama", cache_dir=tmp_path / "cache")
+    tok = load_tokenizer(model)
+    store = ObjectStore.from_uri(str(tmp_path / "tables"))
+    router, engines = start_stack(tmp_path, model, 1)
+    link = SlowLink(router.url, delay_s=30.0)  # the same engines, 30 s away
+    s = settings(groups_needed=4, groups_submitted=4, max_concurrency=4)  # one group at a time per pool
+    work = plan_step(store, "r", 0, make_prompts(tok, 4), s, [])
+
+    async def go():
+        async with EngineClient(router.url, engines.urls) as local, EngineClient(link.url, []) as far:
+            slow = PoolTarget("slow", far, capacity=4, version=0)
+            return await run_rollout(client=local, store=store, run_id="r", step=0, work=work, settings=s,
+                                     decode=tok.decode, remote_pools=[slow], min_version=0)  # fmt: skip
+
+    try:
+        with caplog.at_level("INFO", logger="sluiceway"):
+            result = asyncio.run(go())
+    finally:
+        link.close()
+        engines.close()
+        router.close()
+    assert link.requests >= 1  # the slow pool was given a group ...
+    assert "pool slow slow" in caplog.text  # ... which the run's engines generated too, and finished first
+    rows = read_trajectories(store, "r", 0).to_pylist()
+    assert result.groups_completed == 4 and len(rows) == 16
+    assert {r["pool"] for r in rows} == {"local"} and {r["status"] for r in rows} <= {"completed", "truncated"}

@@ -9,7 +9,9 @@ none: the run never waits for a slow pool while its own engines can do the work.
 
 The run's own engines ("local") always qualify: the flow updates them itself, before the step's rollout.
 A remote pool that fails a request (its router unreachable, every engine gone) is benched for ``bench_s`` and
-its group goes to another pool.
+its group goes to another pool. A remote pool that is merely slow is hedged in tasks/rollout/rollout.py: once no
+group waits for a pool, a remote group running twice as long as the median group is also started on the run's
+own engines, and the first copy to finish is kept.
 """
 
 from __future__ import annotations
@@ -104,6 +106,14 @@ class PoolDispatcher:
                     await asyncio.wait_for(self._changed.wait(), self.wait_s)
                 except TimeoutError:
                     pass
+
+    def try_acquire_local(self, n: int) -> PoolTarget | None:
+        """Room for ``n`` samples on the run's own engines now, or None (never waits)."""
+        for t in self.targets:
+            if t.local and t.capacity - t.in_flight >= min(n, t.capacity):
+                t.in_flight += n
+                return t
+        return None
 
     async def release(self, target: PoolTarget, n: int) -> None:
         async with self._changed:

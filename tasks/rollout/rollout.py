@@ -11,13 +11,14 @@
 - Pools: each group goes to one pool of engines (tasks/rollout/dispatch.py): the run's own, or remote pools
   that serve a fresh enough weight version. A remote pool's requests cannot be aborted through its router, so
   once the step has enough groups they are dropped on our side and stored as aborted; a remote pool that
-  fails a request is benched and its group goes elsewhere. Rows record the pool and the versions that made them.
+  fails a request is benched and its group goes elsewhere; a slow one is hedged on the run's own engines. Rows record the pool and the versions that made them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -29,6 +30,8 @@ from sluiceway.tasks.rollout.client import EngineError
 from sluiceway.tasks.rollout.dispatch import LOCAL, PoolDispatcher, PoolTarget
 from sluiceway.tasks.rollout.multiturn import GenerateContext
 from sluiceway.tasks.rollout.writer import GroupWriter
+
+log = logging.getLogger("sluiceway")
 
 
 @dataclass
@@ -255,17 +258,67 @@ async def run_rollout(
         versions_seen.append(res.weight_version)
         return res
 
+    undispatched = [len(todo)]  # groups not on any pool yet: while some wait, no pool's room is idle
+    group_seconds: list[float] = []  # how long finished groups took, this rollout
+
+    async def run_on(w: GroupWork, target: PoolTarget) -> list:
+        try:
+            return await _all_or_none([sample(w, i, target) for i in range(s.n_samples)])
+        finally:
+            await dispatcher.release(target, s.n_samples)
+
+    def hedge_after() -> float | None:
+        """A remote group running longer than this is also started on the run's own engines (None: not yet)."""
+        if not group_seconds:
+            return None
+        return max(1.0, 2.0 * sorted(group_seconds)[len(group_seconds) // 2])
+
+    async def on_remote(w: GroupWork, target: PoolTarget) -> tuple[list, PoolTarget]:
+        """The group on a remote pool; if that pool is slow while the run's own engines are idle, on both, and
+        the first to finish wins (same rids and seeds: at the same version, the same samples)."""
+        t0 = time.monotonic()
+        remote = asyncio.ensure_future(run_on(w, target))
+        while True:
+            limit = hedge_after()
+            wait_s = 0.2 if limit is None else max(0.05, t0 + limit - time.monotonic())
+            await asyncio.wait({remote}, timeout=wait_s)
+            if remote.done():
+                return remote.result(), target
+            if limit is None or time.monotonic() - t0 < limit or undispatched[0] or enough.is_set():
+                continue
+            if (local := dispatcher.try_acquire_local(s.n_samples)) is not None:
+                break
+        log.info("group %d: pool %s slow (%.1f s); generating it on the run's own engines too",
+                 w.group_id, target.name, time.monotonic() - t0)  # fmt: skip
+        hedge = asyncio.ensure_future(run_on(w, local))
+        try:
+            done, _ = await asyncio.wait({remote, hedge}, return_when=asyncio.FIRST_COMPLETED)
+            if remote in done and remote.exception() is None:
+                return remote.result(), target
+            return await hedge, local  # the remote copy failed, or the local one finished first
+        finally:
+            for t in (remote, hedge):
+                t.cancel()
+            await asyncio.gather(remote, hedge, return_exceptions=True)
+
     async def generate_group(w: GroupWork) -> tuple[list, PoolTarget]:
         while True:
             target = await dispatcher.acquire(s.n_samples)
+            undispatched[0] -= 1
+            t0 = time.monotonic()
             try:
-                return await _all_or_none([sample(w, i, target) for i in range(s.n_samples)]), target
+                if target.local:
+                    out = await run_on(w, target), target
+                else:
+                    out = await on_remote(w, target)
             except EngineError as exc:
                 if target.local:
                     raise
                 dispatcher.bench(target, str(exc))  # the group goes to another pool
-            finally:
-                await dispatcher.release(target, s.n_samples)
+                undispatched[0] += 1
+                continue
+            group_seconds.append(time.monotonic() - t0)
+            return out
 
     async def group(w: GroupWork):
         results, target = await generate_group(w)
@@ -313,6 +366,9 @@ async def _unless(event: asyncio.Event, call):
     stop = asyncio.ensure_future(event.wait())
     try:
         await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # we were cancelled (the group was hedged elsewhere): so is the request
+        task.cancel()
+        raise
     finally:
         stop.cancel()
     if task.done():
