@@ -11,7 +11,8 @@
 - Pools: each group goes to one pool of engines (tasks/rollout/dispatch.py): the run's own, or remote pools
   that serve a fresh enough weight version. A remote pool's requests cannot be aborted through its router, so
   once the step has enough groups they are dropped on our side and stored as aborted; a remote pool that
-  fails a request is benched and its group goes elsewhere; a slow one is hedged on the run's own engines. Rows record the pool and the versions that made them.
+  fails a request is benched and its group goes elsewhere; a slow one is hedged on the run's own engines.
+  Rows record the pool and the versions that made them.
 """
 
 from __future__ import annotations
