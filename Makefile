@@ -6,7 +6,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.sluiceway-installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-all lint clean
+.PHONY: install demo test test-all lint clean bench-trl
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ test: install
 
 test-all: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# sluiceway vs TRL's GRPOTrainer on SmolLM2-135M (TRL in its own venv, .cache/trl-venv); ~45 min on 2 cores.
+bench-trl: install
+	$(PY) benchmarks/trl_vs_sluiceway/run.py
 
 lint: install
 	$(VENV)/bin/ruff check flows tasks storage models infra tests
