@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Run the GPU tests on a machine with CUDA and a system torch, with no project install: the few packages the
-# trainer needs beyond torch/transformers come as wheels in .whl/ (see docs/gpu.md), and the repo's
-# directories are mapped to the sluiceway.* package by symlinks.
+# trainer needs beyond torch/transformers come as wheels in .whl/, and the repo's directories are mapped to the
+# sluiceway.* package by symlinks. Fetch the wheels where pip has a network (Python 3.12, x86-64):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+#       --platform manylinux_2_17_x86_64 --platform any -d .whl megatron-core==0.16.1 pydantic pydantic-core \
+#       annotated-types typing-inspection zstandard
+# (pydantic-core at the version your pydantic asks for). On a machine with the project installed, plain
+# `pytest tests/gpu` does the same.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 SITE=${SITE:-/tmp/sluiceway-site}
