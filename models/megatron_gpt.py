@@ -458,15 +458,29 @@ def allreduce_gradients(model: torch.nn.Module, group: Any = None, average: bool
 # --------------------------------------------------------------------------------------------------------------
 
 
-def gpt_logits(model: GPTModel, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-    """Logits [b, s, vocab / tp] (this rank's vocab shard under TP), causal, no padding mask needed.
+def gpt_logits(
+    model: GPTModel, input_ids: Tensor, attention_mask: Tensor | None = None, first_position: int = 0
+) -> Tensor:
+    """Logits [b, s - first_position, vocab / tp] (this rank's vocab shard under TP), causal, no padding mask needed.
 
     `attention_mask` ([b, 1, s, s], True where attention is forbidden) is only for packed rows (see
-    `packed_attention_mask`); causal masking is always applied on top of it.
+    `packed_attention_mask`); causal masking is always applied on top of it. `first_position` > 0 skips the
+    output layer for the positions before it: with a 49k vocabulary the head and its log-softmax cost as much
+    as several layers, and a policy loss needs no logits at prompt positions.
     """
     b, s = input_ids.shape
     position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
-    return model(input_ids, position_ids, attention_mask=attention_mask)
+    if first_position <= 0:
+        return model(input_ids, position_ids, attention_mask=attention_mask)
+
+    def keep_tail(_module, args, kwargs):  # hidden states [s, b, h] reach the output layer as its first input
+        return (args[0][first_position:], *args[1:]), kwargs
+
+    hook = model.output_layer.register_forward_pre_hook(keep_tail, with_kwargs=True)
+    try:
+        return model(input_ids, position_ids, attention_mask=attention_mask)
+    finally:
+        hook.remove()
 
 
 def packed_attention_mask(segment_ids: Tensor) -> Tensor:
@@ -530,27 +544,36 @@ class _LocalSoftmaxStats(torch.autograd.Function):
 
 
 def _shifted_logprobs(
-    model: GPTModel, input_ids: Tensor, temperature: float, with_entropy: bool, attention_mask: Tensor | None = None
+    model: GPTModel,
+    input_ids: Tensor,
+    temperature: float,
+    with_entropy: bool,
+    attention_mask: Tensor | None = None,
+    first_target: int = 0,
 ) -> tuple[Tensor, Tensor | None]:
     """log p(input_ids[:, t+1]) and entropy at t from the model's (possibly vocab-parallel) logits [b, s, v_local].
 
     Memory: the logits are produced here, so this frame holds the only reference and each full-vocab tensor is
     dropped as soon as the next is made. Under autograd exactly one full-vocab fp32 tensor stays saved for
     backward (log_softmax's output at TP=1, the shifted logits under TP); the entropy reuses it.
+
+    `first_target` > 0: positions before it get log-prob and entropy 0 without logits computed there (callers
+    mask them out: they predict prompt tokens).
     """
-    logits = gpt_logits(model, input_ids, attention_mask)[:, :-1]
+    first = max(0, min(first_target, input_ids.size(1) - 2))
+    logits = gpt_logits(model, input_ids, attention_mask, first_position=first)[:, :-1]
     if logits.dtype != torch.float32:
         logits = logits.float()  # the low-precision copy is freed on rebinding (ToCopyBackward saves nothing)
     if temperature != 1.0:
         logits = logits / temperature  # DivBackward by a scalar saves nothing: the undivided copy is freed
-    targets = input_ids[:, 1:]
+    targets = input_ids[:, first + 1 :]
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if tp == 1:
         logp_all = torch.log_softmax(logits, dim=-1)
         del logits
         logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         entropy = _EntropyFromLogProbs.apply(logp_all) if with_entropy else None
-        return logp, entropy
+        return _pad_left(logp, first), _pad_left(entropy, first)
     # Vocab-parallel: each rank holds a slice of the vocab. Per-rank partial sums are all-reduced with megatron's
     # mapping (all-reduce forward, identity backward) and only combined *after* the reduction. That keeps the
     # identity backward exact: a reduced value fed back into rank-local terms would miss the other ranks'
@@ -574,29 +597,42 @@ def _shifted_logprobs(
         # H = log Z - sum_i exp(s_i) s_i / Z
         weighted = reduce_from_tensor_model_parallel_region(local_weighted)
         entropy = log_z - weighted / sum_exp
-    return logp, entropy
+    return _pad_left(logp, first), _pad_left(entropy, first)
+
+
+def _pad_left(t: Tensor | None, n: int) -> Tensor | None:
+    """Zeros for the `n` skipped positions, so callers keep the [b, s-1] layout."""
+    return t if t is None or n == 0 else F.pad(t, (n, 0))
 
 
 def token_logprobs(
-    model: GPTModel, input_ids: Tensor, temperature: float = 1.0, attention_mask: Tensor | None = None
+    model: GPTModel,
+    input_ids: Tensor,
+    temperature: float = 1.0,
+    attention_mask: Tensor | None = None,
+    first_target: int = 0,
 ) -> Tensor:
     """log p(input_ids[:, t+1] | input_ids[:, :t+1]) as fp32 [b, s-1], from logits / temperature.
 
     Right padding is harmless: causal attention keeps valid positions independent of later pad tokens, so
     callers mask out the pad positions of the result. Differentiable (use under no_grad for inference).
     """
-    logp, _ = _shifted_logprobs(model, input_ids, temperature, with_entropy=False, attention_mask=attention_mask)
+    logp, _ = _shifted_logprobs(model, input_ids, temperature, False, attention_mask, first_target)
     return logp
 
 
 def token_logprobs_and_entropy(
-    model: GPTModel, input_ids: Tensor, temperature: float = 1.0, attention_mask: Tensor | None = None
+    model: GPTModel,
+    input_ids: Tensor,
+    temperature: float = 1.0,
+    attention_mask: Tensor | None = None,
+    first_target: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """(log-probs [b, s-1], entropy [b, s-1]) of the next-token distribution at logits / temperature, fp32.
 
     One log_softmax feeds both outputs; the entropy's backward recomputes exp from the saved log-probs, so only
     one full-vocab tensor is kept for backward (see `_shifted_logprobs`).
     """
-    logp, entropy = _shifted_logprobs(model, input_ids, temperature, with_entropy=True, attention_mask=attention_mask)
+    logp, entropy = _shifted_logprobs(model, input_ids, temperature, True, attention_mask, first_target)
     assert entropy is not None
     return logp, entropy

@@ -261,3 +261,25 @@ def test_qwen2_logprob_parity_and_round_trip():
     back = megatron_to_hf(megatron_state_dict(gpt), hf.config)
     assert set(back) == set(hf.state_dict())
     assert all(torch.equal(back[k], v) for k, v in hf.state_dict().items())
+
+
+def test_skipping_prompt_positions_changes_nothing_the_loss_reads():
+    """first_target skips the output layer before a position: same log-probs, entropies and gradients after it."""
+    hf = tiny_hf_model(tied=True)
+    gpt = build_gpt_model(hf.config).train()
+    load_hf_weights(gpt, hf)
+    ids, _ = padded_batch(LENGTHS)
+    first = 3
+    full_logp, full_ent = token_logprobs_and_entropy(gpt, ids, temperature=0.7)
+    (full_logp[:, first:].sum() + full_ent[:, first:].sum()).backward()
+    full_grads = {n: p.grad.clone() for n, p in gpt.named_parameters()}
+    gpt.zero_grad()
+    logp, ent = token_logprobs_and_entropy(gpt, ids, temperature=0.7, first_target=first)
+    assert logp.shape == full_logp.shape and not logp[:, :first].any() and not ent[:, :first].any()
+    assert torch.allclose(logp[:, first:], full_logp[:, first:], atol=1e-6)
+    assert torch.allclose(ent[:, first:], full_ent[:, first:], atol=1e-6)
+    (logp[:, first:].sum() + ent[:, first:].sum()).backward()
+    for n, p in gpt.named_parameters():
+        assert torch.allclose(p.grad, full_grads[n], atol=1e-5, rtol=1e-4), n
+    with torch.no_grad():  # past the end it falls back to the last position
+        assert torch.allclose(token_logprobs(gpt, ids, 0.7, first_target=10_000)[:, -1], full_logp[:, -1].detach())

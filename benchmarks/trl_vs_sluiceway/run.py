@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -160,6 +161,11 @@ def run_sluiceway(model: Path, prompts: Path, out: Path, a, bf16: bool) -> dict:
     return {"step_s": steps, "rewards": list(m["reward_mean"]), "wall_s": wall, "peak_rss": peak, "versions": versions}
 
 
+def last_command(work_dir: Path) -> str:
+    f = work_dir / "command.txt"
+    return f.read_text().strip() if f.exists() else "make bench-trl"
+
+
 def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -209,12 +215,12 @@ def render(results: dict, a, started: float, load: tuple[str, str]) -> str:
             f"| {s['wall_s']:.0f} | {s['peak_gib']:.2f} | {s['reward_first']:.3f} -> {s['reward_last']:.3f} |"
         )
     lines += ["", "Ratios, sluiceway / TRL:", ""]
-    for dtype in a.dtypes:
-        if ("sluiceway", dtype) in sums and ("trl", dtype) in sums:
-            s, t = sums[("sluiceway", dtype)], sums[("trl", dtype)]
+    for fw, dtype in sums:
+        if fw.startswith("sluiceway") and ("trl", dtype) in sums:
+            s, t = sums[(fw, dtype)], sums[("trl", dtype)]
             gain_s, gain_t = s["reward_last"] - s["reward_first"], t["reward_last"] - t["reward_first"]
             lines.append(
-                f"- {dtype}: samples/s {s['samples_per_s'] / t['samples_per_s']:.2f}x (wall "
+                f"- {fw}, {dtype}: samples/s {s['samples_per_s'] / t['samples_per_s']:.2f}x (wall "
                 f"{s['wall_samples_per_s'] / t['wall_samples_per_s']:.2f}x), peak memory "
                 f"{s['peak_gib'] / t['peak_gib']:.2f}x, reward gain {gain_s:+.3f} vs {gain_t:+.3f} "
                 "over the same number of samples"
@@ -247,6 +253,8 @@ def main() -> None:
     p.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "bench_trl")
     p.add_argument("--trl-venv", type=Path, default=ROOT / ".cache" / "trl-venv")
     p.add_argument("--no-doc", action="store_true", help="print the table instead of writing docs/benchmarks.md")
+    p.add_argument("--add-to-last", metavar="LABEL", help="keep the last run's results (WORK_DIR/results.json) and "
+                   "add these runs as framework 'sluiceway LABEL' (e.g. after a change to sluiceway)")  # fmt: skip
     a = p.parse_args()
     a.dtypes = a.dtypes.split(",")
     frameworks = a.frameworks.split(",")
@@ -264,25 +272,32 @@ def main() -> None:
     prompts = task.write_prompts(a.work_dir / "prompts.jsonl", 8 * a.steps, a.seed)
     started, load_before = time.time(), load()
     results: dict[tuple[str, str], dict] = {}
+    if a.add_to_last:
+        last = json.loads((a.work_dir / "results.json").read_text())
+        results = {tuple(k.split("|") if "|" in k else k.rsplit("-", 1)): v for k, v in last.items()}
+        a.command = f"{last_command(a.work_dir)}; then {a.command}"
     for dtype in a.dtypes:
         for fw in frameworks:
-            out = a.work_dir / f"{fw}-{dtype}"
+            suffix = "-" + re.sub(r"\W+", "_", a.add_to_last) if a.add_to_last else ""
+            out = a.work_dir / f"{fw}-{dtype}{suffix}"
+            name = fw if not a.add_to_last or fw == "trl" else f"{fw} {a.add_to_last}"
             print(f"{fw} {dtype}: {a.steps} steps ...", flush=True)
             try:
                 if fw == "trl":
-                    results[(fw, dtype)] = run_trl(py, model, prompts, out, a, dtype == "bf16")
+                    results[(name, dtype)] = run_trl(py, model, prompts, out, a, dtype == "bf16")
                 else:
-                    results[(fw, dtype)] = run_sluiceway(model, prompts, out, a, dtype == "bf16")
+                    results[(name, dtype)] = run_sluiceway(model, prompts, out, a, dtype == "bf16")
             except RunFailed as exc:
-                results[(fw, dtype)] = {"failed": str(exc)}
+                results[(name, dtype)] = {"failed": str(exc)}
                 print(f"  failed: {exc}", flush=True)
                 continue
-            s = summary(results[(fw, dtype)], max(1, a.steps // 4))
+            s = summary(results[(name, dtype)], max(1, a.steps // 4))
             print(f"  {s['s_per_step']:.1f} s/step, {s['samples_per_s']:.2f} samples/s, peak {s['peak_gib']:.2f} GiB,"
                   f" reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}", flush=True)  # fmt: skip
             # After every run, so a benchmark cut short still leaves what it measured.
             text = render(results, a, started, (load_before, load()))
-            (a.work_dir / "results.json").write_text(json.dumps({f"{k[0]}-{k[1]}": v for k, v in results.items()}))
+            (a.work_dir / "results.json").write_text(json.dumps({"|".join(k): v for k, v in results.items()}))
+            (a.work_dir / "command.txt").write_text(a.command)
             if not a.no_doc:
                 write_section(text, SECTION)
     print(text if a.no_doc else f"wrote {SECTION!r} to docs/benchmarks.md", flush=True)

@@ -76,9 +76,12 @@ class _MicroBatch:
     attention_mask: torch.Tensor | None = None  # [rows, 1, s, s], packed rows only
     unpack: torch.Tensor | None = None  # [n, w-1] long, packed rows only
     rewards: torch.Tensor | None = None  # [n], for the token-level estimators
+    # Unpacked rows: the first position whose log-prob any loss reads (the shortest prompt's last token); the
+    # output layer skips the positions before it.
+    first_target: int = 0
 
     def to(self, device: torch.device) -> _MicroBatch:
-        return _MicroBatch(**{k: None if t is None else t.to(device) for k, t in vars(self).items()})
+        return _MicroBatch(**{k: t.to(device) if isinstance(t, torch.Tensor) else t for k, t in vars(self).items()})
 
     def per_sample(self, x: torch.Tensor) -> torch.Tensor:
         """Model output [rows, s-1] -> the per-sample layout [n, w-1]."""
@@ -107,7 +110,8 @@ def collate(samples: list[TrainSample], pad_id: int, rows: list[list[int]] | Non
     if len(rows) == n and all(len(row) == 1 for row in rows) and rows == [[i] for i in range(n)]:
         for i, s in enumerate(samples):
             ids[i, : lengths[i]] = torch.tensor(s.prompt_ids + s.response_ids)
-        return _MicroBatch(ids, mask, adv, rlp, rewards=rewards)
+        first = min(len(s.prompt_ids) for s in samples) - 1
+        return _MicroBatch(ids, mask, adv, rlp, rewards=rewards, first_target=first)
     segments = torch.full((len(rows), width), -1, dtype=torch.long)
     unpack = torch.zeros((n, w - 1), dtype=torch.long)
     for row_i, row in enumerate(rows):
@@ -204,7 +208,9 @@ class PolicyTrainer:
 
     def _logprobs(self, model, mb: _MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token (log-prob, entropy) in the micro-batch's per-sample layout [n, w-1]."""
-        logp, ent = token_logprobs_and_entropy(model, mb.input_ids, self.temperature, mb.attention_mask)
+        logp, ent = token_logprobs_and_entropy(
+            model, mb.input_ids, self.temperature, mb.attention_mask, mb.first_target
+        )
         return mb.per_sample(logp), mb.per_sample(ent)
 
     def _plan(self, samples: list[TrainSample], step: int) -> list[_OptimizerStep]:
