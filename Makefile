@@ -35,7 +35,7 @@ test: install
 test-all: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# sluiceway vs TRL's GRPOTrainer on SmolLM2-135M (TRL in its own venv, .cache/trl-venv); ~45 min on 2 cores.
+# sluiceway vs TRL's GRPOTrainer on SmolLM2-135M (TRL in its own venv, .cache/trl-venv); ~40 min on 2 cores.
 bench-trl: install
 	$(PY) benchmarks/trl_vs_sluiceway/run.py
 

@@ -143,7 +143,7 @@ def run_sluiceway(model: Path, prompts: Path, out: Path, a, bf16: bool) -> dict:
         "--rollout-temperature", "1.0", "--rollout-top-p", "1.0", "--advantage-estimator", "grpo",
         "--loss-agg-mode", "token_mean", "--eps-clip", "0.2", "--lr", str(a.lr), "--adam-beta2", "0.999",
         "--clip-grad", "1.0", "--seed", str(a.seed),
-    ] + (["--bf16"] if bf16 else [])  # fmt: skip
+    ] + (["--bf16"] if bf16 else []) + a.sluiceway_args.split()  # fmt: skip
     if out.exists():
         import shutil
 
@@ -253,6 +253,7 @@ def main() -> None:
     p.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "bench_trl")
     p.add_argument("--trl-venv", type=Path, default=ROOT / ".cache" / "trl-venv")
     p.add_argument("--no-doc", action="store_true", help="print the table instead of writing docs/benchmarks.md")
+    p.add_argument("--sluiceway-args", default="", help="extra `sluiceway run` flags, e.g. '--mode one-step-off'")
     p.add_argument("--add-to-last", metavar="LABEL", help="keep the last run's results (WORK_DIR/results.json) and "
                    "add these runs as framework 'sluiceway LABEL' (e.g. after a change to sluiceway)")  # fmt: skip
     a = p.parse_args()
