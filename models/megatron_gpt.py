@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from sluiceway.models.fused_logprobs import token_logprob_entropy
+
 with warnings.catch_warnings():
     # megatron warns at import that Apex / Transformer Engine are absent; that is the expected CPU setup.
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed", category=UserWarning)
@@ -300,6 +302,9 @@ class SDPACoreAttention(MegatronModule):
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         sk = k.size(2)
+        if causal and _explicit_attention_pays(q, sk, attention_mask, self.dropout_p if self.training else 0.0):
+            out = _explicit_causal_attention(q, k, v, self.softmax_scale)
+            return out.permute(2, 0, 1, 3).reshape(sq, b, nh * hd)
         attn_mask = None
         if attention_mask is not None or (causal and sq != sk):
             # Explicit boolean mask (True = may attend). megatron masks are True where attention is *forbidden*;
@@ -321,6 +326,34 @@ class SDPACoreAttention(MegatronModule):
         )
         # [b, h, s, d] -> [s, b, h * d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, nh * hd)
+
+
+# Largest score matrix (batch x heads x queries x keys) the explicit attention below builds; its fp32 softmax is
+# kept for backward, so this bounds it at ~16 MiB a layer.
+_EXPLICIT_ATTENTION_MAX_SCORES = 1 << 22
+
+
+def _explicit_attention_pays(q: Tensor, sk: int, attention_mask: Tensor | None, dropout_p: float) -> bool:
+    """Whether to skip SDPA for the explicit product: on CPU in bf16/fp16 with short sequences, SDPA's flash
+    kernel is 3x slower forward + backward (SmolLM2 shapes, 72 tokens: 26 vs 8 ms a layer); in fp32 they tie."""
+    b, nh, sq, _ = q.shape
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and attention_mask is None
+        and dropout_p == 0.0
+        and sq == sk
+        and b * nh * sq * sk <= _EXPLICIT_ATTENTION_MAX_SCORES
+    )
+
+
+def _explicit_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """softmax(q k^T * scale + causal mask) v with the softmax in fp32, [b, h, s, d] in and out."""
+    s = q.size(2)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+    return torch.matmul(probs.to(q.dtype), v)
 
 
 def cpu_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
@@ -459,28 +492,42 @@ def allreduce_gradients(model: torch.nn.Module, group: Any = None, average: bool
 
 
 def gpt_logits(
-    model: GPTModel, input_ids: Tensor, attention_mask: Tensor | None = None, first_position: int = 0
+    model: GPTModel,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    first_position: int = 0,
+    seq_first: bool = False,
 ) -> Tensor:
     """Logits [b, s - first_position, vocab / tp] (this rank's vocab shard under TP), causal, no padding mask needed.
 
     `attention_mask` ([b, 1, s, s], True where attention is forbidden) is only for packed rows (see
     `packed_attention_mask`); causal masking is always applied on top of it. `first_position` > 0 skips the
     output layer for the positions before it: with a 49k vocabulary the head and its log-softmax cost as much
-    as several layers, and a policy loss needs no logits at prompt positions.
+    as several layers, and a policy loss needs no logits at prompt positions. `seq_first` returns the output
+    layer's own [s - first_position, b, vocab] tensor, saving the model's batch-first copy of it.
     """
     b, s = input_ids.shape
     position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
-    if first_position <= 0:
+    if first_position <= 0 and not seq_first:
         return model(input_ids, position_ids, attention_mask=attention_mask)
+    captured: list[Tensor] = []
 
     def keep_tail(_module, args, kwargs):  # hidden states [s, b, h] reach the output layer as its first input
-        return (args[0][first_position:], *args[1:]), kwargs
+        return (args[0][max(first_position, 0) :], *args[1:]), kwargs
 
-    hook = model.output_layer.register_forward_pre_hook(keep_tail, with_kwargs=True)
+    def capture(_module, _args, output):  # (logits [s, b, v], bias): the model transposes a one-column view
+        captured.append(output[0])
+        return output[0][..., :1], output[1]
+
+    hooks = [model.output_layer.register_forward_pre_hook(keep_tail, with_kwargs=True)]
+    if seq_first:
+        hooks.append(model.output_layer.register_forward_hook(capture))
     try:
-        return model(input_ids, position_ids, attention_mask=attention_mask)
+        out = model(input_ids, position_ids, attention_mask=attention_mask)
     finally:
-        hook.remove()
+        for h in hooks:
+            h.remove()
+    return captured[0] if seq_first else out
 
 
 def packed_attention_mask(segment_ids: Tensor) -> Tensor:
@@ -490,25 +537,6 @@ def packed_attention_mask(segment_ids: Tensor) -> Tensor:
     depend only on the distance between query and key, so a sample at an offset attends exactly as it would alone.
     """
     return (segment_ids.unsqueeze(-1) != segment_ids.unsqueeze(-2)).unsqueeze(1)
-
-
-class _EntropyFromLogProbs(torch.autograd.Function):
-    """H = -sum_j exp(l_j) l_j over the last dim of normalised log-probs `l`, saving only `l` for backward.
-
-    `l` is log_softmax's output, which log_softmax's own backward keeps anyway, so the entropy adds no saved
-    full-vocab tensor (`-(l.exp() * l).sum(-1)` would keep exp(l) too). dH/dl_j = -exp(l_j) (l_j + 1).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, logp_all: Tensor) -> Tensor:
-        ctx.save_for_backward(logp_all)
-        return torch.exp(logp_all).mul_(logp_all).sum(-1).neg_()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        (logp_all,) = ctx.saved_tensors
-        p = torch.exp(logp_all)
-        return p.addcmul_(p, logp_all).mul_(grad.unsqueeze(-1).neg())  # -g * p * (l + 1), one temporary
 
 
 class _LocalSoftmaxStats(torch.autograd.Function):
@@ -554,26 +582,26 @@ def _shifted_logprobs(
     """log p(input_ids[:, t+1]) and entropy at t from the model's (possibly vocab-parallel) logits [b, s, v_local].
 
     Memory: the logits are produced here, so this frame holds the only reference and each full-vocab tensor is
-    dropped as soon as the next is made. Under autograd exactly one full-vocab fp32 tensor stays saved for
-    backward (log_softmax's output at TP=1, the shifted logits under TP); the entropy reuses it.
+    dropped as soon as the next is made. At TP=1 the fused `token_logprob_entropy` keeps only the output layer's
+    logits for backward (in the model's dtype); under TP one fp32 tensor of shifted logits stays saved, and the
+    entropy reuses it.
 
     `first_target` > 0: positions before it get log-prob and entropy 0 without logits computed there (callers
     mask them out: they predict prompt tokens).
     """
     first = max(0, min(first_target, input_ids.size(1) - 2))
+    targets = input_ids[:, first + 1 :]
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        # Seq-first [s, b, v] as the output layer made it: the fused function reads it in place (no copies).
+        logits = gpt_logits(model, input_ids, attention_mask, first_position=first, seq_first=True)[:-1]
+        logp, entropy = token_logprob_entropy(logits, targets.t(), temperature)
+        return _pad_left(logp.t(), first), _pad_left(entropy.t() if with_entropy else None, first)
     logits = gpt_logits(model, input_ids, attention_mask, first_position=first)[:, :-1]
     if logits.dtype != torch.float32:
         logits = logits.float()  # the low-precision copy is freed on rebinding (ToCopyBackward saves nothing)
     if temperature != 1.0:
         logits = logits / temperature  # DivBackward by a scalar saves nothing: the undivided copy is freed
-    targets = input_ids[:, first + 1 :]
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    if tp == 1:
-        logp_all = torch.log_softmax(logits, dim=-1)
-        del logits
-        logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        entropy = _EntropyFromLogProbs.apply(logp_all) if with_entropy else None
-        return _pad_left(logp, first), _pad_left(entropy, first)
     # Vocab-parallel: each rank holds a slice of the vocab. Per-rank partial sums are all-reduced with megatron's
     # mapping (all-reduce forward, identity backward) and only combined *after* the reduction. That keeps the
     # identity backward exact: a reduced value fed back into rank-local terms would miss the other ranks'

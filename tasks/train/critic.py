@@ -29,7 +29,7 @@ from sluiceway.models.megatron_gpt import allreduce_gradients
 from sluiceway.models.value_model import build_value_model, init_value_head, token_values
 from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS, gae, reinforce_pp_returns, terminal_rewards
 from sluiceway.tasks.train.losses import aggregate, kl_penalty, value_loss
-from sluiceway.tasks.train.optim import step_master_weights
+from sluiceway.tasks.train.optim import adamw, step_master_weights
 from sluiceway.tasks.train.parallel import is_tensor_parallel, reduce_step_metrics
 
 if TYPE_CHECKING:
@@ -204,9 +204,7 @@ class Critic:
             self.master = params
         self.tp_flags = [is_tensor_parallel(p) for p in params]
         lr = algorithm.critic_lr if algorithm.critic_lr is not None else training.lr
-        self.optimizer = torch.optim.AdamW(
-            self.master, lr=lr, weight_decay=training.weight_decay, betas=(training.adam_beta1, training.adam_beta2)
-        )
+        self.optimizer = adamw(self.master, training, lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda)
         self.rollouts_trained = 0  # for the critic-only warm-up (num_critic_only_steps)
 

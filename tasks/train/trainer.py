@@ -40,7 +40,7 @@ from sluiceway.tasks.sync.disk import write_weight_version
 from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS
 from sluiceway.tasks.train.critic import Critic, needs_reference, token_advantages
 from sluiceway.tasks.train.losses import aggregate, gspo_loss, kl_penalty, ppo_clip_loss, tis_weights
-from sluiceway.tasks.train.optim import step_master_weights
+from sluiceway.tasks.train.optim import adamw, step_master_weights
 from sluiceway.tasks.train.parallel import (
     gather_tensor_parallel,
     is_tensor_parallel,
@@ -179,12 +179,7 @@ class PolicyTrainer:
             self.ref_model = build_gpt_model(self.hf_config, dtype=dtype, device=self.device)
             load_hf_weights(self.ref_model, hf_state, self.hf_config)
             self.ref_model.eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(
-            self.master,
-            lr=training.lr,
-            weight_decay=training.weight_decay,
-            betas=(training.adam_beta1, training.adam_beta2),
-        )
+        self.optimizer = adamw(self.master, training)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.tp_flags = [is_tensor_parallel(p) for p in params]
         self.weight_version = 0
