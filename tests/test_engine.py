@@ -20,11 +20,12 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+import torch.nn.functional as F
 
 from sluiceway.infra.engine import Engine, GenerateRequest, SamplingParams
 from sluiceway.infra.engine.core import stream
 from sluiceway.infra.engine.kv_cache import SlotKVCache
-from sluiceway.infra.engine.llama import LlamaRunner
+from sluiceway.infra.engine.llama import LlamaRunner, attention
 from sluiceway.models.zoo import load_hf_model, load_hf_state_dict, load_tokenizer, resolve_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
@@ -167,6 +168,58 @@ def test_core_seeds_batching_abort_and_stream(model_dir):
         out = handle.result(timeout=30)
         assert out.finish_reason["type"] == "abort" and 0 < len(out.output_ids) < LONG
         assert len(out.output_logprobs) == len(out.output_ids)
+    finally:
+        engine.shutdown()
+
+
+def test_bf16_attention_matches_sdpa_in_fp32():
+    """The explicit bf16 attention (decode with a per-row mask, causal prefill, padded prefill) is SDPA's math."""
+    g = torch.Generator().manual_seed(0)
+    cases = [  # (rows, queries, keys, mask)
+        (5, 1, 30, (torch.arange(30)[None, :] <= torch.tensor([29, 3, 17, 0, 22])[:, None])[:, None, None, :]),
+        (3, 12, 12, None),
+        (2, 9, 9, torch.ones(9, 9, dtype=torch.bool).tril()[None, None] & (torch.arange(9) < 6)),
+    ]
+    for b, t, s, mask in cases:
+        q, k, v = (torch.randn(b, heads, n, 16, generator=g) for heads, n in ((6, t), (2, s), (2, s)))
+        if mask is not None:
+            mask = mask | torch.eye(t, s, dtype=torch.bool)  # no fully masked rows (SDPA would give NaN)
+        q16, k16, v16 = (x.bfloat16() for x in (q, k, v))
+        got = attention(q16, k16, v16, mask, 0.25)
+        assert got.dtype == torch.bfloat16 and got.shape == (b, 6, t, 16)
+        kw = {"is_causal": True} if mask is None else {"attn_mask": mask}
+        ref = F.scaled_dot_product_attention(q16.float(), k16.float(), v16.float(), enable_gqa=True, scale=0.25, **kw)
+        assert (got.float() - ref).abs().max() <= 2e-2, (b, t, s)
+
+
+def test_requests_with_one_prompt_share_its_prefill(model_dir, other_weights):
+    engine = Engine(model_dir, max_running_requests=8, max_total_len=LONG + 64)
+    try:
+
+        def req(prompt, seed, n=16):
+            return GenerateRequest(prompt, SamplingParams(max_new_tokens=n, sampling_seed=seed, ignore_eos=True))
+
+        p, q = [5, 6, 7, 8, 9], [40, 41]
+        outs = engine.generate([req(p, 1), req(q, 9), req(p, 2), req(p, 3), req(p, 4)])
+        # The n samples of one prompt: one prefill, the other three copy its KV.
+        assert engine.stats["prefill_tokens"] == len(p) + len(q)
+        assert engine.stats["shared_prefill_tokens"] == 3 * len(p)
+        for o, seed in zip([outs[0], *outs[2:]], [1, 2, 3, 4]):
+            alone = engine.generate([req(p, seed)])[0]
+            assert o.output_ids == alone.output_ids
+            assert o.output_logprobs == pytest.approx(alone.output_logprobs, abs=1e-5)
+        assert len({tuple(o.output_ids) for o in outs}) == 5
+
+        # A running row's prompt is not shared once the weights change under it.
+        long = engine.submit(req(p, 7, LONG))
+        _wait(lambda: engine.load()["num_running_reqs"] == 1 and engine.stats["generated_tokens"] > 0)
+        engine.update_weights_from_disk(other_weights, "1")
+        shared_before = engine.stats["shared_prefill_tokens"]
+        during = engine.generate([req(p, 5)])[0]
+        assert engine.stats["shared_prefill_tokens"] == shared_before
+        engine.abort(abort_all=True)
+        long.result(timeout=30)
+        assert during.output_ids == engine.generate([req(p, 5)])[0].output_ids
     finally:
         engine.shutdown()
 

@@ -146,6 +146,9 @@ class _Seq:
     out_lps: list[float] = field(default_factory=list)
     finish: dict[str, Any] | None = None
     streamed: int = 0
+    # The next-token logits at the prompt's end (fp32 [vocab]): a later request with the same prompt copies the
+    # prompt's KV from this row's slot and samples its first token from these, without a prefill of its own.
+    prompt_logits: torch.Tensor | None = None
 
     @property
     def length(self) -> int:  # tokens whose K/V are (or will be, for the pending one) in the cache
@@ -203,6 +206,7 @@ class Engine:
             "decode_steps": 0,
             "generated_tokens": 0,
             "prefill_tokens": 0,
+            "shared_prefill_tokens": 0,  # prompt tokens whose KV was copied from a row with the same prompt
             "finished_requests": 0,
         }
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
@@ -320,6 +324,8 @@ class Engine:
 
         def do() -> str:
             self.runner.load_state_dict(sd)
+            for s in self._running:  # their prompts' KV and logits are the old weights': no longer shareable
+                s.prompt_logits = None
             if weight_version is not None:
                 self.weight_version = str(weight_version)
             return self.weight_version
@@ -397,9 +403,8 @@ class Engine:
                     admit.append(self._waiting.popleft())
             # Model work runs outside the lock so submit/abort never wait for a step.
             try:
-                for start in range(0, len(admit), self.prefill_batch):
-                    group = admit[start : start + self.prefill_batch]
-                    self._prefill(group)
+                for group in self._prefill_groups(admit):
+                    group = self._prefill(group)
                     with self._cv:
                         self._running.extend(group)
                         self._retire_finished()
@@ -422,12 +427,52 @@ class Engine:
             with self._cv:
                 self._retire_finished()
 
-    def _prefill(self, group: list[_Seq]) -> None:
-        # Prompts admitted together are prefilled as one batch: one set of large GEMMs instead of many.
-        prompts = [torch.tensor(s.req.input_ids, dtype=torch.long) for s in group]
-        logits = self.runner.prefill(self.cache, len(self._running), prompts)
-        self.stats["prefill_tokens"] += sum(len(p) for p in prompts)
-        self._sample_and_append(group, logits)
+    def _prefill_groups(self, admit: list[_Seq]) -> list[list[_Seq]]:
+        """Admitted requests in groups of at most prefill_batch distinct prompts (repeats ride along free)."""
+        groups: list[list[_Seq]] = []
+        distinct: set[tuple[int, ...]] = set()
+        for s in admit:
+            key = tuple(s.req.input_ids)
+            if not groups or (key not in distinct and len(distinct) >= self.prefill_batch):
+                groups.append([])
+                distinct = set()
+            groups[-1].append(s)
+            distinct.add(key)
+        return groups
+
+    def _prefill(self, group: list[_Seq]) -> list[_Seq]:
+        """Prefill `group` into the slots after the running rows; returns it in slot order.
+
+        Distinct new prompts are prefilled as one batch (one set of large GEMMs instead of many). A prompt that
+        a running row or an earlier member of the group already has -- the n samples of one question in RL --
+        is not prefilled again: its KV is copied from that row's slot and its first token is sampled from the
+        shared prompt logits (each request still draws from its own generator).
+        """
+        base = len(self._running)
+        have = {tuple(s.req.input_ids): (i, s) for i, s in enumerate(self._running) if s.prompt_logits is not None}
+        fresh: list[_Seq] = []
+        repeats: list[_Seq] = []
+        for s in group:
+            key = tuple(s.req.input_ids)
+            if key in have or any(tuple(f.req.input_ids) == key for f in fresh):
+                repeats.append(s)
+            else:
+                fresh.append(s)
+        if fresh:
+            prompts = [torch.tensor(s.req.input_ids, dtype=torch.long) for s in fresh]
+            logits = self.runner.prefill(self.cache, base, prompts)
+            self.stats["prefill_tokens"] += sum(len(p) for p in prompts)
+            for i, s in enumerate(fresh):
+                s.prompt_logits = logits[i]
+                have[tuple(s.req.input_ids)] = (base + i, s)
+        for j, s in enumerate(repeats):
+            src_slot, src = have[tuple(s.req.input_ids)]
+            self.cache.move(src_slot, base + len(fresh) + j, len(s.req.input_ids))
+            s.prompt_logits = src.prompt_logits
+            self.stats["shared_prefill_tokens"] += len(s.req.input_ids)
+        ordered = fresh + repeats
+        self._sample_and_append(ordered, torch.stack([s.prompt_logits for s in ordered]))
+        return ordered
 
     def _decode(self) -> None:
         rows = self._running

@@ -21,7 +21,7 @@ class SlotKVCache:
         self.v = torch.zeros(shape, dtype=dtype)
 
     def move(self, src: int, dst: int, length: int) -> None:
-        """Copy the first `length` positions of slot `src` into slot `dst` (compaction after a retire)."""
+        """Copy the first `length` positions of slot `src` into slot `dst` (compaction, or a shared prompt)."""
         if src != dst and length > 0:
             self.k[:, dst, :, :length] = self.k[:, src, :, :length]
             self.v[:, dst, :, :length] = self.v[:, src, :, :length]
