@@ -245,7 +245,9 @@ class Runtime:
         s, last = self.cfg.sync, self.cfg.rollout.num_rollout
         if step is not None and (step + 1) % s.update_weights_interval and step + 1 != last:
             return None
-        path = self.trainer.write_weights(self.prep.hf_dir, self.run_dir / "weights")
+        # A --bf16 run's engines serve bf16: write the masters rounded as the engines would round them on load.
+        dtype = "bfloat16" if self.cfg.training.bf16 else None
+        path = self.trainer.write_weights(self.prep.hf_dir, self.run_dir / "weights", dtype=dtype)
         self.engines.update_weights(path, self.trainer.weight_version)
         if s.update_weight_mode == "delta":
             self._publish_weights(path)
@@ -257,9 +259,9 @@ class Runtime:
             store = ObjectStore.from_uri(
                 self.cfg.weights_uri, self.cfg.storage.s3_endpoint_url, self.cfg.storage.s3_region
             )
-            # A --bf16 run's trainer writes its fp32 masters and its engines serve them rounded to bf16: publish
-            # those bf16 weights, of which most elements keep every bit from one step to the next at small learning
-            # rates (the fp32 masters change almost everywhere). A pool serving fp32 upcasts them exactly.
+            # A --bf16 run publishes bf16 weights (sync_weights writes them so), of which most elements keep every
+            # bit from one step to the next at small learning rates (the fp32 masters change almost everywhere).
+            # A pool serving fp32 upcasts them exactly. float_dtype also casts an fp32 directory, should one come.
             self._publisher = WeightPublisher(
                 WeightStore(store), full_every=s.weights_full_every, keep=s.weights_keep,
                 float_dtype="BF16" if self.cfg.training.bf16 else None,

@@ -71,6 +71,27 @@ def test_weights_leave_in_hf_names_and_load_into_transformers(tiny):
     assert all(v.dtype == torch.float32 for v in sd.values())  # from the fp32 masters
 
 
+def test_weights_written_for_bf16_engines_are_the_masters_rounded(tiny, tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    path, tok = tiny
+    trainer = make_trainer(path, tok, bf16=True)
+    trainer.train_rollout(samples(tok, [1.0, -1.0, 1.0, -1.0]), step=0)
+    out = trainer.write_weights(path, tmp_path, dtype="bfloat16")
+    written = load_file(out / "model.safetensors")
+    masters = trainer.hf_state_dict(include_tied_lm_head=False)
+    assert set(written) == set(masters)
+    assert all(torch.equal(written[k], v.to(torch.bfloat16)) for k, v in masters.items())
+    config = json.loads((out / "config.json").read_text())
+    assert {config.get(k) for k in ("torch_dtype", "dtype") if k in config} == {"bfloat16"}
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype="auto", local_files_only=True)
+    assert next(hf.parameters()).dtype == torch.bfloat16  # "auto" reads the config: what an engine does
+
+
 def test_kl_loss_runs_against_a_frozen_reference(tiny):
     path, tok = tiny
     trainer = make_trainer(path, tok, use_kl_loss=True, kl_loss_coef=0.1)

@@ -14,6 +14,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from sluiceway.storage.weights.publish import config_with_dtype
+
+_SAFETENSORS_NAMES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 _MODEL_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
@@ -22,8 +25,15 @@ def version_dir(root: Path, version: int) -> Path:
 
 
 def write_weight_version(
-    state_dict: dict[str, torch.Tensor], base_model_dir: Path, root: Path, version: int, keep: int = 2
+    state_dict: dict[str, torch.Tensor],
+    base_model_dir: Path,
+    root: Path,
+    version: int,
+    keep: int = 2,
+    dtype: str | None = None,
 ) -> Path:
+    """The version's model directory under `root`; `dtype` (a torch name) casts floating tensors to it and says
+    so in config.json (an engine loading with dtype "auto" then serves them as written)."""
     root.mkdir(parents=True, exist_ok=True)
     final = version_dir(root, version)
     if final.exists():  # a retried sync of the same version: the directory is complete (it was renamed)
@@ -36,6 +46,11 @@ def write_weight_version(
             shutil.copy2(f, tmp / f.name)
     # safetensors refuses shared storage; tied embeddings appear once (HF re-ties lm_head on load).
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    if dtype is not None:
+        to = getattr(torch, dtype)
+        tensors = {k: v.to(to) if v.is_floating_point() else v for k, v in tensors.items()}
+        if (tmp / "config.json").exists():
+            config_with_dtype(tmp / "config.json", _SAFETENSORS_NAMES[dtype], tmp)
     save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt", "weight_version": str(version)})
     tmp.rename(final)
     for old in sorted(root.glob("v*"))[:-keep]:

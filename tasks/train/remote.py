@@ -140,8 +140,8 @@ class RemoteTrainer:
         self._refresh()
         return step
 
-    def write_weights(self, hf_dir: str | Path, root: str | Path) -> Path:
-        return Path(self._call("write_weights", str(hf_dir), str(root)))
+    def write_weights(self, hf_dir: str | Path, root: str | Path, dtype: str | None = None) -> Path:
+        return Path(self._call("write_weights", str(hf_dir), str(root), dtype))
 
     def _refresh(self) -> None:
         self.weight_version = self._call("state")["weight_version"]

@@ -383,15 +383,17 @@ class PolicyTrainer:
     def state(self) -> dict[str, int]:
         return {"weight_version": self.weight_version}
 
-    def write_weights(self, hf_dir: str | Path, root: str | Path) -> Path | None:
+    def write_weights(self, hf_dir: str | Path, root: str | Path, dtype: str | None = None) -> Path | None:
         """Publish the current weights as an HF model directory under `root` (see tasks/sync/disk.py).
 
-        A collective (the TP shards are gathered); rank 0 writes and returns the path, other ranks return None.
+        `dtype` ("bfloat16", ...): write the masters rounded to it, as engines serving that dtype would round
+        them on load (the same bits in half the bytes for bf16); None keeps fp32. A collective (the TP shards
+        are gathered); rank 0 writes and returns the path, other ranks return None.
         """
         state = self.hf_state_dict(include_tied_lm_head=False)
         if torch.distributed.get_rank() != 0:
             return None
-        return write_weight_version(state, Path(hf_dir), Path(root), self.weight_version)
+        return write_weight_version(state, Path(hf_dir), Path(root), self.weight_version, dtype=dtype)
 
     def save(self, path: str | Path, step: int) -> None:
         """Checkpoint directory: per TP rank the model shard, optimizer, LR schedule, RNG states; a meta.json.
