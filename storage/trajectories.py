@@ -98,9 +98,7 @@ def append_trajectory_groups(store: ObjectStore, groups: list[tuple[list[dict[st
     return append_idempotent_many(store, TRAJECTORIES, items, partition_by=PARTITION_BY)
 
 
-def read_trajectories(
-    store: ObjectStore, run_id: str, step: int | None = None, version: int | None = None
-) -> pa.Table:
+def read_trajectories(store: ObjectStore, run_id: str, step: int | None = None, version: int | None = None) -> pa.Table:
     """Samples of ``run_id`` (one step, or all; at Delta ``version`` for time travel), sorted by step, group,
     sample; typed as TRAJECTORY_SCHEMA."""
     if not table_exists(store, TRAJECTORIES):

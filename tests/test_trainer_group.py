@@ -70,6 +70,10 @@ def test_plans_cover_every_sample_once():
     assert sorted(i for p in packed for i in p.samples) == list(range(8))
     assert all(p.tokens <= 45 for p in packed)
     assert plan_micro_batches([50, 3], 2, max_tokens=45)[0].samples == [0]  # too long: a row of its own
+    # Unpacked: similar lengths share a micro-batch (24 padded positions instead of 66 in arrival order).
+    unpacked = plan_micro_batches(lengths, 2, None)
+    assert [p.samples for p in unpacked] == [[1, 4], [5, 7], [2, 6], [0, 3]]
+    assert sum(p.tokens for p in unpacked) - sum(lengths) == 24
     for plans in (packed, plan_micro_batches(lengths, 2, None)):
         shares = [shard_for_rank(plans, 2, r) for r in range(2)]
         ids = sorted(i for share in shares for p in share for i in p.samples)

@@ -28,14 +28,16 @@ class MicroBatchPlan:
 def plan_micro_batches(lengths: list[int], micro_batch_size: int, max_tokens: int | None) -> list[MicroBatchPlan]:
     """Split an optimizer step's samples (their lengths, prompt + response) into micro-batches.
 
-    Without `max_tokens`: consecutive runs of `micro_batch_size` samples, one per row. With it (packing): samples,
-    longest first, are packed first-fit into rows of at most `max_tokens` tokens, one row per micro-batch; a sample
-    longer than the budget gets a row of its own rather than being dropped.
+    Without `max_tokens`: runs of `micro_batch_size` samples in order of length, one per row, so rows padded to
+    their micro-batch's longest waste little (the losses' global normalisers make the grouping irrelevant to the
+    gradient). With it (packing): samples, longest first, are packed first-fit into rows of at most `max_tokens`
+    tokens, one row per micro-batch; a sample longer than the budget gets a row of its own rather than being dropped.
     """
     if not max_tokens:
+        by_length = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
         out = []
         for start in range(0, len(lengths), micro_batch_size):
-            idx = list(range(start, min(start + micro_batch_size, len(lengths))))
+            idx = sorted(by_length[start : start + micro_batch_size])
             out.append(MicroBatchPlan(idx, None, len(idx) * max(lengths[i] for i in idx)))
         return out
     rows: list[list[int]] = []
