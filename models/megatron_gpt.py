@@ -497,6 +497,7 @@ def gpt_logits(
     attention_mask: Tensor | None = None,
     first_position: int = 0,
     seq_first: bool = False,
+    keep: Tensor | None = None,
 ) -> Tensor:
     """Logits [b, s - first_position, vocab / tp] (this rank's vocab shard under TP), causal, no padding mask needed.
 
@@ -504,16 +505,21 @@ def gpt_logits(
     `packed_attention_mask`); causal masking is always applied on top of it. `first_position` > 0 skips the
     output layer for the positions before it: with a 49k vocabulary the head and its log-softmax cost as much
     as several layers, and a policy loss needs no logits at prompt positions. `seq_first` returns the output
-    layer's own [s - first_position, b, vocab] tensor, saving the model's batch-first copy of it.
+    layer's own [s - first_position, b, vocab] tensor, saving the model's batch-first copy of it. `keep` (flat
+    indices into the [s, b] positions, seq-major) computes logits at those positions only: [len(keep), 1, vocab],
+    seq-first.
     """
     b, s = input_ids.shape
     position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
-    if first_position <= 0 and not seq_first:
+    if first_position <= 0 and not seq_first and keep is None:
         return model(input_ids, position_ids, attention_mask=attention_mask)
     captured: list[Tensor] = []
+    seq_first = seq_first or keep is not None
 
     def keep_tail(_module, args, kwargs):  # hidden states [s, b, h] reach the output layer as its first input
-        return (args[0][max(first_position, 0) :], *args[1:]), kwargs
+        h = args[0]
+        h = h.reshape(-1, 1, h.size(-1)).index_select(0, keep) if keep is not None else h[max(first_position, 0) :]
+        return (h, *args[1:]), kwargs
 
     def capture(_module, _args, output):  # (logits [s, b, v], bias): the model transposes a one-column view
         captured.append(output[0])
@@ -578,6 +584,7 @@ def _shifted_logprobs(
     with_entropy: bool,
     attention_mask: Tensor | None = None,
     first_target: int = 0,
+    needed: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """log p(input_ids[:, t+1]) and entropy at t from the model's (possibly vocab-parallel) logits [b, s, v_local].
 
@@ -587,11 +594,20 @@ def _shifted_logprobs(
     entropy reuses it.
 
     `first_target` > 0: positions before it get log-prob and entropy 0 without logits computed there (callers
-    mask them out: they predict prompt tokens).
+    mask them out: they predict prompt tokens). `needed` (bool [b, s-1], TP=1 only) goes further: logits only
+    where it is True (the positions a loss reads: no prompt, no padding), zeros elsewhere.
     """
     first = max(0, min(first_target, input_ids.size(1) - 2))
     targets = input_ids[:, first + 1 :]
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1 and needed is not None:
+        b = input_ids.size(0)
+        t_idx, b_idx = needed.t().nonzero(as_tuple=True)  # seq-major, as the output layer's rows
+        logits = gpt_logits(model, input_ids, attention_mask, keep=t_idx * b + b_idx)[:, 0]
+        logp, entropy = token_logprob_entropy(logits, input_ids[b_idx, t_idx + 1], temperature)
+        zeros = torch.zeros(needed.shape, dtype=logp.dtype, device=logp.device)
+        logp = zeros.index_put((b_idx, t_idx), logp)
+        return logp, zeros.index_put((b_idx, t_idx), entropy) if with_entropy else None
     if tp == 1:
         # Seq-first [s, b, v] as the output layer made it: the fused function reads it in place (no copies).
         logits = gpt_logits(model, input_ids, attention_mask, first_position=first, seq_first=True)[:-1]
@@ -639,13 +655,15 @@ def token_logprobs(
     temperature: float = 1.0,
     attention_mask: Tensor | None = None,
     first_target: int = 0,
+    needed: Tensor | None = None,
 ) -> Tensor:
     """log p(input_ids[:, t+1] | input_ids[:, :t+1]) as fp32 [b, s-1], from logits / temperature.
 
     Right padding is harmless: causal attention keeps valid positions independent of later pad tokens, so
     callers mask out the pad positions of the result. Differentiable (use under no_grad for inference).
+    `first_target` and `needed` skip positions no caller reads (see `_shifted_logprobs`).
     """
-    logp, _ = _shifted_logprobs(model, input_ids, temperature, False, attention_mask, first_target)
+    logp, _ = _shifted_logprobs(model, input_ids, temperature, False, attention_mask, first_target, needed)
     return logp
 
 
@@ -655,12 +673,13 @@ def token_logprobs_and_entropy(
     temperature: float = 1.0,
     attention_mask: Tensor | None = None,
     first_target: int = 0,
+    needed: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(log-probs [b, s-1], entropy [b, s-1]) of the next-token distribution at logits / temperature, fp32.
 
-    One log_softmax feeds both outputs; the entropy's backward recomputes exp from the saved log-probs, so only
-    one full-vocab tensor is kept for backward (see `_shifted_logprobs`).
+    One pass over the logits feeds both outputs, and no full-vocab fp32 tensor is kept for backward (see
+    `_shifted_logprobs`).
     """
-    logp, entropy = _shifted_logprobs(model, input_ids, temperature, True, attention_mask, first_target)
+    logp, entropy = _shifted_logprobs(model, input_ids, temperature, True, attention_mask, first_target, needed)
     assert entropy is not None
     return logp, entropy

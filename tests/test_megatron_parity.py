@@ -283,3 +283,24 @@ def test_skipping_prompt_positions_changes_nothing_the_loss_reads():
         assert torch.allclose(p.grad, full_grads[n], atol=1e-5, rtol=1e-4), n
     with torch.no_grad():  # past the end it falls back to the last position
         assert torch.allclose(token_logprobs(gpt, ids, 0.7, first_target=10_000)[:, -1], full_logp[:, -1].detach())
+
+
+def test_logits_at_needed_positions_only_change_nothing_the_loss_reads():
+    """`needed` computes the output layer only where a loss reads: same values and gradients there, zeros elsewhere."""
+    hf = tiny_hf_model(tied=True)
+    gpt = build_gpt_model(hf.config).train()
+    load_hf_weights(gpt, hf)
+    ids, _ = padded_batch(LENGTHS)
+    needed = torch.rand(ids.shape[0], ids.shape[1] - 1, generator=torch.Generator().manual_seed(5)) < 0.4
+    w = torch.randn(needed.shape, generator=torch.Generator().manual_seed(6))
+    full_logp, full_ent = token_logprobs_and_entropy(gpt, ids, temperature=0.7)
+    ((full_logp * w)[needed].sum() + full_ent[needed].sum()).backward()
+    full_grads = {n: p.grad.clone() for n, p in gpt.named_parameters()}
+    gpt.zero_grad()
+    logp, ent = token_logprobs_and_entropy(gpt, ids, temperature=0.7, needed=needed)
+    assert logp.shape == full_logp.shape and not logp[~needed].any() and not ent[~needed].any()
+    assert torch.allclose(logp[needed], full_logp[needed], atol=1e-6)
+    assert torch.allclose(ent[needed], full_ent[needed], atol=1e-6)
+    ((logp * w)[needed].sum() + ent[needed].sum()).backward()
+    for n, p in gpt.named_parameters():
+        assert torch.allclose(p.grad, full_grads[n], atol=1e-5, rtol=1e-4), n

@@ -77,7 +77,7 @@ class _MicroBatch:
     unpack: torch.Tensor | None = None  # [n, w-1] long, packed rows only
     rewards: torch.Tensor | None = None  # [n], for the token-level estimators
     # Unpacked rows: the first position whose log-prob any loss reads (the shortest prompt's last token); the
-    # output layer skips the positions before it.
+    # output layer skips the positions before it (under TP; at TP=1 it computes only where `mask` is set).
     first_target: int = 0
 
     def to(self, device: torch.device) -> _MicroBatch:
@@ -203,8 +203,10 @@ class PolicyTrainer:
 
     def _logprobs(self, model, mb: _MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token (log-prob, entropy) in the micro-batch's per-sample layout [n, w-1]."""
+        # Unpacked rows keep the per-sample layout, so the loss mask says where any loss reads a log-prob.
+        needed = mb.mask > 0 if mb.unpack is None else None
         logp, ent = token_logprobs_and_entropy(
-            model, mb.input_ids, self.temperature, mb.attention_mask, mb.first_target
+            model, mb.input_ids, self.temperature, mb.attention_mask, mb.first_target, needed
         )
         return mb.per_sample(logp), mb.per_sample(ent)
 
