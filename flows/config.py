@@ -246,6 +246,11 @@ class TrainingConfig(_Group):
         description="Pack samples into micro-batches of at most this many tokens (one row, samples kept apart by "
         "the attention mask) instead of micro_batch_size samples each. A longer sample gets a row of its own.",
     )
+    share_prompts: bool = Field(
+        True,
+        description="Train the samples of one prompt in one row: the prompt once, each response attending to it "
+        "and to itself (same gradient, fewer tokens: GRPO's n samples pay for their prompt once).",
+    )
     bf16: bool = Field(False, description="bf16 autocast over fp32 master weights.")
     hf_checkpoint: str = Field(
         "tiny-llama", description="HF model directory, or a zoo name: 'smollm2-135m-instruct', 'tiny-llama'."

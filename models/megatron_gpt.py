@@ -379,15 +379,34 @@ def cpu_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
 
 
 class _DeviceLocalRotaryEmbedding(RotaryEmbedding):
-    """RotaryEmbedding whose frequencies stay on the device they were put on (stock one forces CUDA)."""
+    """RotaryEmbedding whose frequencies stay on the device they were put on (stock one forces CUDA).
+
+    Megatron's GPTModel gives RoPE the positions 0..s-1 of every row. While `positions` ([s, b]) is set (see
+    `gpt_logits(position_ids=...)`), each token gets its own: rows that share one prompt between several
+    responses need every response to continue from the prompt's end.
+    """
+
+    positions: Tensor | None = None
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> Tensor:
+        if self.positions is None:
+            return super().forward(max_seq_len, offset, packed_seq, cp_group)  # memoised per length
+        group = cp_group if cp_group is not None else self.cp_group
+        if group is not None and group.size() > 1:
+            raise ValueError("per-token RoPE positions (shared prompts) do not support context parallelism")
+        return self.get_emb(max_seq_len, offset)  # never memoised: the positions change with every batch
 
     def get_emb(self, max_seq_len: int, offset: int = 0) -> Tensor:
-        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if self.positions is not None:
+            table = self._emb(int(self.positions.max()) + 1, 0)
+            return table[self.positions].unsqueeze(2)  # [s, b, 1, d]: broadcasts over heads like [s, 1, 1, d]
+        return self._emb(max_seq_len, offset)[:, None, None, :]
+
+    def _emb(self, n: int, offset: int) -> Tensor:
+        freqs = self.get_freqs_non_repeated(n, offset)
         if not self.rotary_interleaved:
-            emb = torch.cat((freqs, freqs), dim=-1)
-        else:
-            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
-        return emb[:, None, None, :]
+            return torch.cat((freqs, freqs), dim=-1)
+        return torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
 
 
 def build_gpt_model(
@@ -498,11 +517,13 @@ def gpt_logits(
     first_position: int = 0,
     seq_first: bool = False,
     keep: Tensor | None = None,
+    position_ids: Tensor | None = None,
 ) -> Tensor:
     """Logits [b, s - first_position, vocab / tp] (this rank's vocab shard under TP), causal, no padding mask needed.
 
     `attention_mask` ([b, 1, s, s], True where attention is forbidden) is only for packed rows (see
-    `packed_attention_mask`); causal masking is always applied on top of it. `first_position` > 0 skips the
+    `packed_attention_mask`); causal masking is always applied on top of it. `position_ids` ([b, s]) are the
+    RoPE positions of each token (default 0..s-1 in every row). `first_position` > 0 skips the
     output layer for the positions before it: with a 49k vocabulary the head and its log-softmax cost as much
     as several layers, and a policy loss needs no logits at prompt positions. `seq_first` returns the output
     layer's own [s - first_position, b, vocab] tensor, saving the model's batch-first copy of it. `keep` (flat
@@ -510,9 +531,7 @@ def gpt_logits(
     seq-first.
     """
     b, s = input_ids.shape
-    position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
-    if first_position <= 0 and not seq_first and keep is None:
-        return model(input_ids, position_ids, attention_mask=attention_mask)
+    default_positions = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
     captured: list[Tensor] = []
     seq_first = seq_first or keep is not None
 
@@ -525,24 +544,58 @@ def gpt_logits(
         captured.append(output[0])
         return output[0][..., :1], output[1]
 
-    hooks = [model.output_layer.register_forward_pre_hook(keep_tail, with_kwargs=True)]
+    hooks = []
+    if first_position > 0 or keep is not None:
+        hooks.append(model.output_layer.register_forward_pre_hook(keep_tail, with_kwargs=True))
     if seq_first:
         hooks.append(model.output_layer.register_forward_hook(capture))
+    rope = model.rotary_pos_emb
+    rope.positions = position_ids.t() if position_ids is not None else None
     try:
-        out = model(input_ids, position_ids, attention_mask=attention_mask)
+        out = model(input_ids, default_positions, attention_mask=attention_mask)
     finally:
+        rope.positions = None
         for h in hooks:
             h.remove()
     return captured[0] if seq_first else out
 
 
-def packed_attention_mask(segment_ids: Tensor) -> Tensor:
+def logprobs_at(
+    model: GPTModel,
+    input_ids: Tensor,
+    rows: Tensor,
+    positions: Tensor,
+    targets: Tensor,
+    temperature: float = 1.0,
+    attention_mask: Tensor | None = None,
+    position_ids: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(log p(target), entropy) fp32 [k] of the next-token distribution at the k positions (rows[i], positions[i]).
+
+    The general form of `token_logprobs`: the output layer runs at the listed positions only, and each names
+    its own target, so one position may score several tokens (in a row where responses share a prompt, the
+    prompt's last position predicts every response's first token). Under TP the logits are vocab-parallel.
+    """
+    b = input_ids.size(0)
+    logits = gpt_logits(model, input_ids, attention_mask, keep=positions * b + rows, position_ids=position_ids)[:, 0]
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return token_logprob_entropy(logits, targets, temperature)
+    return _vocab_parallel_logprob_entropy(logits, targets, temperature, True)
+
+
+def packed_attention_mask(segment_ids: Tensor, members: Tensor | None = None) -> Tensor:
     """[b, 1, s, s] mask forbidding attention across the samples packed into one row (True = forbidden).
 
     `segment_ids` [b, s] numbers the samples of each row. Positions keep counting across a row: RoPE scores
     depend only on the distance between query and key, so a sample at an offset attends exactly as it would alone.
+    With `members` [b, s], a segment is a prompt (member -1) shared by several responses (members 0, 1, ...):
+    a response attends to its prompt and to itself, never to the other responses.
     """
-    return (segment_ids.unsqueeze(-1) != segment_ids.unsqueeze(-2)).unsqueeze(1)
+    allowed = segment_ids.unsqueeze(-1) == segment_ids.unsqueeze(-2)
+    if members is not None:
+        key, query = members.unsqueeze(-2), members.unsqueeze(-1)
+        allowed &= (key == -1) | (key == query)
+    return (~allowed).unsqueeze(1)
 
 
 class _LocalSoftmaxStats(torch.autograd.Function):
@@ -594,26 +647,32 @@ def _shifted_logprobs(
     entropy reuses it.
 
     `first_target` > 0: positions before it get log-prob and entropy 0 without logits computed there (callers
-    mask them out: they predict prompt tokens). `needed` (bool [b, s-1], TP=1 only) goes further: logits only
-    where it is True (the positions a loss reads: no prompt, no padding), zeros elsewhere.
+    mask them out: they predict prompt tokens). `needed` (bool [b, s-1]) goes further: logits only where it is
+    True (the positions a loss reads: no prompt, no padding), zeros elsewhere.
     """
-    first = max(0, min(first_target, input_ids.size(1) - 2))
-    targets = input_ids[:, first + 1 :]
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    if tp == 1 and needed is not None:
-        b = input_ids.size(0)
-        t_idx, b_idx = needed.t().nonzero(as_tuple=True)  # seq-major, as the output layer's rows
-        logits = gpt_logits(model, input_ids, attention_mask, keep=t_idx * b + b_idx)[:, 0]
-        logp, entropy = token_logprob_entropy(logits, input_ids[b_idx, t_idx + 1], temperature)
+    if needed is not None:
+        b_idx, t_idx = needed.nonzero(as_tuple=True)
+        logp, entropy = logprobs_at(model, input_ids, b_idx, t_idx, input_ids[b_idx, t_idx + 1], temperature,
+                                    attention_mask)  # fmt: skip
         zeros = torch.zeros(needed.shape, dtype=logp.dtype, device=logp.device)
         logp = zeros.index_put((b_idx, t_idx), logp)
         return logp, zeros.index_put((b_idx, t_idx), entropy) if with_entropy else None
-    if tp == 1:
+    first = max(0, min(first_target, input_ids.size(1) - 2))
+    targets = input_ids[:, first + 1 :]
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
         # Seq-first [s, b, v] as the output layer made it: the fused function reads it in place (no copies).
         logits = gpt_logits(model, input_ids, attention_mask, first_position=first, seq_first=True)[:-1]
         logp, entropy = token_logprob_entropy(logits, targets.t(), temperature)
         return _pad_left(logp.t(), first), _pad_left(entropy.t() if with_entropy else None, first)
     logits = gpt_logits(model, input_ids, attention_mask, first_position=first)[:, :-1]
+    logp, entropy = _vocab_parallel_logprob_entropy(logits, targets, temperature, with_entropy)
+    return _pad_left(logp, first), _pad_left(entropy, first)
+
+
+def _vocab_parallel_logprob_entropy(
+    logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """log p(targets) and entropy from this TP rank's vocab shard of the logits [..., v_local]; fp32 [...]."""
     if logits.dtype != torch.float32:
         logits = logits.float()  # the low-precision copy is freed on rebinding (ToCopyBackward saves nothing)
     if temperature != 1.0:
@@ -641,7 +700,7 @@ def _shifted_logprobs(
         # H = log Z - sum_i exp(s_i) s_i / Z
         weighted = reduce_from_tensor_model_parallel_region(local_weighted)
         entropy = log_z - weighted / sum_exp
-    return _pad_left(logp, first), _pad_left(entropy, first)
+    return logp, entropy
 
 
 def _pad_left(t: Tensor | None, n: int) -> Tensor | None:

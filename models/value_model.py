@@ -58,7 +58,13 @@ def build_value_model(
     return model
 
 
-def token_values(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+def token_values(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    position_ids: Tensor | None = None,
+) -> Tensor:
     """fp32 [b, s-1]: at t, the value of the prefix input_ids[:, :t+1], i.e. of the state in which the token at t+1
-    is chosen (the layout of `token_logprobs`). `attention_mask` as in `gpt_logits` (packed rows only)."""
-    return gpt_logits(model, input_ids, attention_mask)[:, :-1, 0].float()
+    is chosen (the layout of `token_logprobs`). `attention_mask` and `position_ids` as in `gpt_logits` (laid-out
+    rows only: packed samples, shared prompts)."""
+    return gpt_logits(model, input_ids, attention_mask, position_ids=position_ids)[:, :-1, 0].float()

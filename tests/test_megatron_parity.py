@@ -24,7 +24,10 @@ from sluiceway.models.hf_megatron import (
 from sluiceway.models.megatron_gpt import (
     SDPACoreAttention,
     build_gpt_model,
+    gpt_logits,
     init_parallel_state,
+    logprobs_at,
+    packed_attention_mask,
     token_logprobs,
     token_logprobs_and_entropy,
     transformer_config_from_hf,
@@ -304,3 +307,38 @@ def test_logits_at_needed_positions_only_change_nothing_the_loss_reads():
     ((logp * w)[needed].sum() + ent[needed].sum()).backward()
     for n, p in gpt.named_parameters():
         assert torch.allclose(p.grad, full_grads[n], atol=1e-5, rtol=1e-4), n
+
+
+def test_responses_sharing_one_prompt_score_as_in_rows_of_their_own():
+    """One row [prompt, r1, r2, pad]: r2 continues from the prompt's end (RoPE positions) and attends to the prompt
+    and itself only, so log-probs, entropies and gradients equal those of the rows [prompt r1] and [prompt r2]."""
+    hf = tiny_hf_model(tied=False)
+    gpt = build_gpt_model(hf.config).train()
+    load_hf_weights(gpt, hf)
+    g = torch.Generator().manual_seed(3)
+    prompt, r1, r2 = (torch.randint(1, VOCAB, (n,), generator=g) for n in (6, 4, 3))
+    separate = torch.zeros(2, 10, dtype=torch.long)
+    separate[0], separate[1, :9] = torch.cat([prompt, r1]), torch.cat([prompt, r2])
+    ref_logp, ref_ent = token_logprobs_and_entropy(gpt, separate, temperature=0.7)
+    rows, cols = torch.tensor([0] * 4 + [1] * 3), torch.tensor([5, 6, 7, 8, 5, 6, 7])  # positions predicting r1, r2
+    (ref_logp[rows, cols].sum() + ref_ent[rows, cols].sum()).backward()
+    ref_grads = {n: p.grad.clone() for n, p in gpt.named_parameters()}
+    gpt.zero_grad()
+
+    shared = torch.cat([prompt, r1, r2, torch.zeros(1, dtype=torch.long)]).unsqueeze(0)
+    positions = torch.tensor([[*range(10), *range(6, 9), 0]])
+    segments = torch.tensor([[0] * 13 + [-1]])
+    members = torch.tensor([[-1] * 6 + [0] * 4 + [1] * 3 + [-1]])
+    mask = packed_attention_mask(segments, members)
+    at = torch.tensor([5, 6, 7, 8, 5, 10, 11])  # the prompt's last token predicts both first tokens
+    targets = torch.cat([r1, r2])
+    logp, ent = logprobs_at(gpt, shared, torch.zeros(7, dtype=torch.long), at, targets, 0.7, mask, positions)
+    torch.testing.assert_close(logp, ref_logp[rows, cols].detach(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent, ref_ent[rows, cols].detach(), atol=1e-6, rtol=0)
+    (logp.sum() + ent.sum()).backward()
+    for n, p in gpt.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[n], atol=1e-5, rtol=1e-4, msg=n)
+    with torch.no_grad():  # megatron memoises RoPE per length: positions set once must not leak into later calls
+        plain = gpt_logits(gpt, shared)
+        gpt_logits(gpt, shared, mask, position_ids=positions)
+        torch.testing.assert_close(gpt_logits(gpt, shared), plain, atol=0, rtol=0)

@@ -203,19 +203,26 @@ def test_ppo_step_trains_policy_and_critic_and_reports_value_metrics(tiny, bf16)
 
 
 def test_packed_micro_batches_give_the_same_ppo_step(tiny):  # noqa: F811
-    """Packing (several samples per row, kept apart by the attention mask) changes neither the values, the
-    whitened advantages nor the losses: the critic reads its values in the same per-sample layout."""
+    """Packing (several samples per row, kept apart by the attention mask) or sharing the prompt between its samples'
+    responses changes neither the values, the whitened advantages nor the losses: the critic reads its values in the
+    same per-sample layout."""
     path, tok = tiny
     runs = []
-    for packing in (None, 64):
+    for packing, share in ((None, False), (64, False), (None, True), (64, True)):
         training = TrainingConfig(
-            global_batch_size=4, micro_batch_size=2, lr=1e-2, hf_checkpoint=str(path), max_tokens_per_gpu=packing
+            global_batch_size=4,
+            micro_batch_size=2,
+            lr=1e-2,
+            hf_checkpoint=str(path),
+            max_tokens_per_gpu=packing,
+            share_prompts=share,
         )
         algo = AlgorithmConfig(advantage_estimator="ppo", gamma=0.9, lambd=0.8)
         trainer = PolicyTrainer(path, training, algo, temperature=1.0, pad_token_id=tok.pad_token_id)
         runs.append(trainer.train_rollout(ppo_samples(tok, [1.0, 0.0, 1.0, 0.0]), step=0))
-    for key in ("value_mean", "returns_mean", "explained_var", "adv_min", "adv_max", "value_loss", "loss"):
-        assert runs[0][key] == pytest.approx(runs[1][key], abs=1e-5), key
+    for run in runs[1:]:
+        for key in ("value_mean", "returns_mean", "explained_var", "adv_min", "adv_max", "value_loss", "loss"):
+            assert run[key] == pytest.approx(runs[0][key], abs=1e-5), key
 
 
 def test_value_loss_clipped_vs_unclipped(tiny):  # noqa: F811

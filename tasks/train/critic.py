@@ -215,7 +215,7 @@ class Critic:
 
     def values(self, mb: _MicroBatch) -> torch.Tensor:
         """Per-token values in the micro-batch's per-sample layout [n, w-1], fp32 (differentiable)."""
-        return mb.per_sample(token_values(self.model, mb.input_ids, mb.attention_mask))
+        return mb.per_sample(token_values(self.model, mb.input_ids, mb.attention_mask, mb.position_ids))
 
     def train_step(self, batches: list[_MicroBatch], targets: list[ValueTargets], n_tokens: float) -> dict[str, float]:
         """One optimizer step of the clipped value loss (token mean over the step's trained tokens, all ranks)."""

@@ -31,6 +31,7 @@ from sluiceway.models.megatron_gpt import (  # megatron.core through here: it si
     allreduce_gradients,
     build_gpt_model,
     init_parallel_state,
+    logprobs_at,
     packed_attention_mask,
     parallel_state,
     token_logprobs_and_entropy,
@@ -64,32 +65,39 @@ class TrainSample:
 class _MicroBatch:
     """Model inputs plus per-sample loss tensors [n_samples, w-1] (index t scores the token at t+1).
 
-    Unpacked, row i of `input_ids` is sample i, right-padded. Packed, `input_ids` holds several samples per row
-    back to back, `attention_mask` keeps them apart, and `unpack` maps each per-sample position to its place in
-    the flattened [rows * (s-1)] log-probs, so the losses see the same per-sample layout either way.
+    Unpacked, row i of `input_ids` is sample i, right-padded. Otherwise (packed rows, shared prompts) a row holds
+    several samples back to back, `attention_mask` keeps them apart, and `unpack` maps each per-sample position
+    to its place in the flattened [rows * s] positions, so the losses see the same per-sample layout either way.
     """
 
     input_ids: torch.Tensor  # [rows, s]
     mask: torch.Tensor  # [n, w-1] 1 where the token at t+1 is a trained response token
     advantages: torch.Tensor  # [n, w-1]
     rollout_logp: torch.Tensor  # [n, w-1]
-    attention_mask: torch.Tensor | None = None  # [rows, 1, s, s], packed rows only
-    unpack: torch.Tensor | None = None  # [n, w-1] long, packed rows only
+    attention_mask: torch.Tensor | None = None  # [rows, 1, s, s], laid-out rows only
+    unpack: torch.Tensor | None = None  # [n, w-1] long, laid-out rows only
     rewards: torch.Tensor | None = None  # [n], for the token-level estimators
     # Unpacked rows: the first position whose log-prob any loss reads (the shortest prompt's last token); the
     # output layer skips the positions before it (under TP; at TP=1 it computes only where `mask` is set).
     first_target: int = 0
+    position_ids: torch.Tensor | None = None  # [rows, s] RoPE positions, laid-out rows only
+    targets: torch.Tensor | None = None  # [n, w-1] the token at t+1 of each sample, laid-out rows only
 
     def to(self, device: torch.device) -> _MicroBatch:
         return _MicroBatch(**{k: t.to(device) if isinstance(t, torch.Tensor) else t for k, t in vars(self).items()})
 
     def per_sample(self, x: torch.Tensor) -> torch.Tensor:
         """Model output [rows, s-1] -> the per-sample layout [n, w-1]."""
-        return x if self.unpack is None else x.reshape(-1)[self.unpack]
+        return x if self.unpack is None else torch.nn.functional.pad(x, (0, 1)).reshape(-1)[self.unpack]
 
 
 def collate(samples: list[TrainSample], pad_id: int, rows: list[list[int]] | None = None) -> _MicroBatch:
-    """Tensors for one micro-batch: one sample per row, or with `rows` (sample indices) several packed per row."""
+    """Tensors for one micro-batch: one sample per row, or with `rows` (sample indices) several laid out per row.
+
+    In a laid-out row, a sample whose prompt equals that of the sample before it shares that prompt: only its
+    response is laid out, and it continues from the prompt's end (RoPE positions, attention), attending to the
+    prompt and to itself only, so it scores exactly as in a row of its own.
+    """
     n = len(samples)
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     w = max(lengths)
@@ -104,26 +112,54 @@ def collate(samples: list[TrainSample], pad_id: int, rows: list[list[int]] | Non
         mask[i, span] = torch.tensor(s.loss_mask, dtype=torch.float32)
         adv[i, span] = s.advantage
         rlp[i, span] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
-    rows = rows if rows is not None else [[i] for i in range(n)]
-    width = max(sum(lengths[i] for i in row) for row in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    if len(rows) == n and all(len(row) == 1 for row in rows) and rows == [[i] for i in range(n)]:
+    if rows is None:
+        ids = torch.full((n, w), pad_id, dtype=torch.long)
         for i, s in enumerate(samples):
             ids[i, : lengths[i]] = torch.tensor(s.prompt_ids + s.response_ids)
         first = min(len(s.prompt_ids) for s in samples) - 1
         return _MicroBatch(ids, mask, adv, rlp, rewards=rewards, first_target=first)
+    layouts = [_lay_out_row([samples[i] for i in row]) for row in rows]
+    width = max(len(tokens) for tokens, *_ in layouts)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    positions = torch.zeros((len(rows), width), dtype=torch.long)
     segments = torch.full((len(rows), width), -1, dtype=torch.long)
+    members = torch.full((len(rows), width), -1, dtype=torch.long)
     unpack = torch.zeros((n, w - 1), dtype=torch.long)
-    for row_i, row in enumerate(rows):
-        o = 0  # where the sample starts in its row
-        for seg, i in enumerate(row):
-            s = samples[i]
-            ids[row_i, o : o + lengths[i]] = torch.tensor(s.prompt_ids + s.response_ids)
-            segments[row_i, o : o + lengths[i]] = seg
-            t = torch.arange(lengths[i] - 1)
-            unpack[i, : lengths[i] - 1] = row_i * (width - 1) + o + t
-            o += lengths[i]
-    return _MicroBatch(ids, mask, adv, rlp, packed_attention_mask(segments), unpack, rewards)
+    targets = torch.zeros((n, w - 1), dtype=torch.long)
+    for row_i, (row, (tokens, pos, seg, member, where)) in enumerate(zip(rows, layouts)):
+        k = len(tokens)
+        ids[row_i, :k], positions[row_i, :k] = torch.tensor(tokens), torch.tensor(pos)
+        segments[row_i, :k], members[row_i, :k] = torch.tensor(seg), torch.tensor(member)
+        for i, places in zip(row, where):
+            unpack[i, : lengths[i] - 1] = row_i * width + torch.tensor(places[:-1])
+            targets[i, : lengths[i] - 1] = torch.tensor((samples[i].prompt_ids + samples[i].response_ids)[1:])
+    return _MicroBatch(ids, mask, adv, rlp, packed_attention_mask(segments, members), unpack, rewards,
+                       position_ids=positions, targets=targets)  # fmt: skip
+
+
+def _lay_out_row(samples: list[TrainSample]):
+    """One row's tokens, RoPE positions, segment (prompt group) and member (-1: shared prompt) per token, and per
+    sample the row position of each of its own tokens (prompt then response)."""
+    tokens: list[int] = []
+    pos: list[int] = []
+    seg: list[int] = []
+    member: list[int] = []
+    where: list[list[int]] = []
+    prompt_at = 0
+    for k, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        if k == 0 or s.prompt_ids != samples[k - 1].prompt_ids:
+            prompt_at = len(tokens)
+            tokens += s.prompt_ids
+            pos += range(p)
+            seg += [k] * p
+            member += [-1] * p
+        where.append(list(range(prompt_at, prompt_at + p)) + list(range(len(tokens), len(tokens) + r)))
+        tokens += s.response_ids
+        pos += range(p, p + r)
+        seg += [seg[prompt_at]] * r
+        member += [k] * r
+    return tokens, pos, seg, member, where
 
 
 @dataclass
@@ -201,14 +237,20 @@ class PolicyTrainer:
         shape = 1.0 - progress if t.lr_decay_style == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
         return floor + (1.0 - floor) * shape
 
-    def _logprobs(self, model, mb: _MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token (log-prob, entropy) in the micro-batch's per-sample layout [n, w-1]."""
-        # Unpacked rows keep the per-sample layout, so the loss mask says where any loss reads a log-prob.
-        needed = mb.mask > 0 if mb.unpack is None else None
-        logp, ent = token_logprobs_and_entropy(
-            model, mb.input_ids, self.temperature, mb.attention_mask, mb.first_target, needed
-        )
-        return mb.per_sample(logp), mb.per_sample(ent)
+    def _logprobs(self, model, mb: _MicroBatch, temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token (log-prob, entropy) in the micro-batch's per-sample layout [n, w-1], where the loss mask is set
+        (zeros elsewhere: no loss reads a log-prob there, so the output layer skips those positions)."""
+        temperature = self.temperature if temperature is None else temperature
+        needed = mb.mask > 0
+        if mb.unpack is None:
+            return token_logprobs_and_entropy(model, mb.input_ids, temperature, None, mb.first_target, needed)
+        sample, t = needed.nonzero(as_tuple=True)
+        flat = mb.unpack[sample, t]
+        width = mb.input_ids.size(1)
+        logp, ent = logprobs_at(model, mb.input_ids, flat // width, flat % width, mb.targets[sample, t], temperature,
+                                mb.attention_mask, mb.position_ids)  # fmt: skip
+        zeros = torch.zeros(needed.shape, dtype=logp.dtype, device=logp.device)
+        return zeros.index_put((sample, t), logp), zeros.index_put((sample, t), ent)
 
     def _plan(self, samples: list[TrainSample], step: int) -> list[_OptimizerStep]:
         """The step's samples, shuffled, as optimizer steps of this DP rank's micro-batches.
@@ -228,7 +270,12 @@ class PolicyTrainer:
         for start in range(0, len(samples), per_step):
             chunk = samples[start : start + per_step]
             lengths = [len(s.prompt_ids) + len(s.response_ids) for s in chunk]
-            plans = plan_micro_batches(lengths, mbs, t.max_tokens_per_gpu)
+            prompts = prompt_lengths = None
+            if t.share_prompts:
+                keys: dict[tuple[int, ...], int] = {}
+                prompts = [keys.setdefault(tuple(s.prompt_ids), len(keys)) for s in chunk]
+                prompt_lengths = [len(s.prompt_ids) for s in chunk]
+            plans = plan_micro_batches(lengths, mbs, t.max_tokens_per_gpu, prompts, prompt_lengths)
             mine = shard_for_rank(plans, self.dp_size, self.dp_rank)
             batches = [collate([chunk[i] for i in p.samples], self.pad_token_id, p.rows).to(self.device) for p in mine]
             steps.append(
@@ -477,8 +524,7 @@ class PolicyTrainer:
         sums = {"loss": 0.0, "entropy": 0.0}
         for p in mine:
             mb = collate([samples[i] for i in p.samples], self.pad_token_id, p.rows).to(self.device)
-            logp, entropy = token_logprobs_and_entropy(self.model, mb.input_ids, 1.0, mb.attention_mask)
-            logp, entropy = mb.per_sample(logp), mb.per_sample(entropy)
+            logp, entropy = self._logprobs(self.model, mb, temperature=1.0)
             loss = aggregate(sft_loss(logp, mb.mask), mb.mask, "token_mean", n_tokens)
             loss.backward()
             sums["loss"] += loss.item()
