@@ -61,10 +61,15 @@ def test_explicit_causal_attention_matches_sdpa():
     q, k, v = (torch.randn(2, 4, 11, 16, generator=g, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
     assert _explicit_attention_pays(q, 11, None, 0.0)
     assert not _explicit_attention_pays(q.float(), 11, None, 0.0)  # fp32: SDPA is as fast
-    assert not _explicit_attention_pays(q, 11, torch.zeros(2, 1, 11, 11, dtype=torch.bool), 0.0)  # packed rows
-    out = _explicit_causal_attention(q, k, v, 0.25)
+    assert not _explicit_attention_pays(q, 11, None, 0.1)  # dropout: SDPA's
+    # A packing mask: two samples in each row (the second from position 5), neither sees the other.
+    segments = (torch.arange(11) >= 5).long().expand(2, 11)
+    forbidden = (segments.unsqueeze(-1) != segments.unsqueeze(-2)).unsqueeze(1)
+    assert _explicit_attention_pays(q, 11, forbidden, 0.0)
+    out = _explicit_causal_attention(q, k, v, 0.25, forbidden)
     qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
-    ref = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=0.25)
+    allowed = torch.ones(11, 11, dtype=torch.bool).tril() & ~forbidden
+    ref = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=allowed, scale=0.25)
     assert (out.float() - ref).abs().max() < 2e-2
     grad_out = torch.randn(ref.shape, generator=g)
     out.backward(grad_out.bfloat16())
