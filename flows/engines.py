@@ -26,7 +26,9 @@ log = logging.getLogger("sluiceway")
 
 
 class RolloutEngines:
-    def __init__(self, cfg: RunConfig, model_dir: Path, run_dir: Path, weight_version: int = 0):
+    def __init__(self, cfg: RunConfig, model_dir: Path, run_dir: Path, weight_version: int = 0, wait: bool = True):
+        """Start the router and the embedded engines. With `wait` False the engines load their model while the
+        caller goes on (building the trainer, say); `wait_ready` then waits for them before the first request."""
         r = cfg.rollout
         log_dir = run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -64,14 +66,28 @@ class RolloutEngines:
                 engine_args=engine_args,
                 env=dict(os.environ),
                 launcher=launcher,
-            ).start()
+            ).spawn()
+        except BaseException:
+            self.router.close()
+            raise
+        self.cfg, self.loop, self.client, self.remote = cfg, None, None, []
+        self.weight_version = weight_version  # what the engines serve; set after each update
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> RolloutEngines:
+        """Wait until every engine is healthy and behind the router; then the client can generate."""
+        if self.client is not None:
+            return self
+        try:
+            self.pool.wait_ready()  # stops the engines if one fails to start
         except BaseException:
             self.router.close()
             raise
         self.loop = BackgroundLoop()
         self.client = self.loop.run(self._make_client(self.router.url, self.pool.urls))
-        self.weight_version = weight_version  # what the engines serve; set after each update
-        self.remote = self._remote_pools(cfg)
+        self.remote = self._remote_pools(self.cfg)
+        return self
 
     async def _make_client(self, router_url: str, engine_urls: list[str]) -> EngineClient:
         return EngineClient(router_url, engine_urls)  # created on the loop that will use it
@@ -110,11 +126,13 @@ class RolloutEngines:
 
     def close(self) -> None:
         try:
-            for t in self.remote:
-                self.run(t.client.aclose())
-            self.run(self.client.aclose())
+            if self.loop is not None:  # None: closed before wait_ready
+                for t in self.remote:
+                    self.run(t.client.aclose())
+                self.run(self.client.aclose())
         finally:
-            self.loop.close()
+            if self.loop is not None:
+                self.loop.close()
             self.pool.close()
             self.router.close()
 

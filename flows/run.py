@@ -6,11 +6,11 @@ import logging
 import os
 
 from sluiceway.flows.config import RunConfig
-from sluiceway.infra.prefect_env import configure_prefect
+from sluiceway.infra.prefect_env import configure_prefect, wait_for_api_server
 
 
-def _configure(cfg: RunConfig) -> None:
-    configure_prefect(cfg.storage.output_dir)
+def _configure(cfg: RunConfig, wait: bool = True) -> None:
+    configure_prefect(cfg.storage.output_dir, wait=wait)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is fetched from a hub at run time
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -20,14 +20,14 @@ def _configure(cfg: RunConfig) -> None:
 
 
 def run(cfg: RunConfig) -> dict:
-    _configure(cfg)
+    _configure(cfg, wait=False)  # Prefect's server boots while the imports and checks below run
     from sluiceway.flows.rl import rl_flow  # imported after Prefect's settings are in the environment
     from sluiceway.flows.runtime import hand_over, prepare
 
     # Everything a user can get wrong (data files, scorer, model name, prompt lengths) is checked here,
     # before the flow starts, so a mistake is one line rather than a failed flow run; the flow reuses it.
     hand_over(cfg, prepare(cfg))
-
+    wait_for_api_server()
     result = rl_flow(cfg.model_dump(mode="json"))
     if not cfg.logging.quiet:
         print(

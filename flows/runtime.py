@@ -224,9 +224,16 @@ class Runtime:
         tok = prep.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         total_iters = cfg.rollout.num_rollout * cfg.training.num_steps_per_rollout
-        trainer = build_trainer(cfg, prep.hf_dir, pad, run_dir / "trainer", total_iters)
+        # The engines load their model while the trainer builds (separate processes: on a CPU machine the
+        # two start-ups share the cores instead of queueing).
+        engines = RolloutEngines(cfg, prep.hf_dir, run_dir, wait=False)
         try:
-            engines = RolloutEngines(cfg, prep.hf_dir, run_dir)
+            trainer = build_trainer(cfg, prep.hf_dir, pad, run_dir / "trainer", total_iters)
+        except BaseException:
+            engines.close()
+            raise
+        try:
+            engines.wait_ready()
         except BaseException:
             _close_trainer(trainer)
             raise

@@ -11,20 +11,27 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
+import sqlite3
 import subprocess
 import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import httpx
 
+from sluiceway.infra.cache import cache_root
 from sluiceway.infra.proc import die_with_parent
 from sluiceway.infra.router import free_port, stop_process_group
 
 START_TIMEOUT_S = 180.0
 
 
-def configure_prefect(run_dir: str | Path) -> Path:
+def configure_prefect(run_dir: str | Path, wait: bool = True) -> Path:
+    """Prefect's settings for a run in `run_dir`, and the embedded API server unless one is configured. With
+    `wait` False the server starts while the caller goes on (imports, checks: it takes seconds to boot);
+    `wait_for_api_server` must come before the first flow."""
     home = Path(run_dir).resolve() / "prefect"
     home.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PREFECT_HOME", str(home))
@@ -36,12 +43,22 @@ def configure_prefect(run_dir: str | Path) -> Path:
     os.environ.setdefault("PREFECT_RESULTS_PERSIST_BY_DEFAULT", "true")
     os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(home / "results"))
     if not os.environ.get("PREFECT_API_URL"):
-        os.environ["PREFECT_API_URL"] = start_api_server(home)
+        os.environ["PREFECT_API_URL"] = start_api_server(home, wait=wait)
     return home
 
 
-def start_api_server(home: Path, timeout_s: float = START_TIMEOUT_S) -> str:
-    """Prefect's API (no UI) on a loopback port, as a child that dies with this process; returns its URL."""
+_starting: list[tuple[subprocess.Popen, str, str, float, float, Path | None]] = []  # servers started with wait=False
+
+
+def start_api_server(home: Path, timeout_s: float = START_TIMEOUT_S, wait: bool = True) -> str:
+    """Prefect's API (no UI) on a loopback port, as a child that dies with this process; returns its URL.
+
+    A new home's database starts as a copy of a migrated one from the cache (see `_template_db`)."""
+    template, db = _template_db(), home / "prefect.db"
+    own_db = not {"PREFECT_API_DATABASE_CONNECTION_URL", "PREFECT_SERVER_DATABASE_CONNECTION_URL"} & set(os.environ)
+    fresh = own_db and not db.exists()
+    if fresh and template.exists():
+        shutil.copyfile(template, db)
     port = free_port()
     env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_UI_ENABLED="0", PREFECT_SERVER_ANALYTICS_ENABLED="false")
     env.pop("PREFECT_API_URL", None)
@@ -54,16 +71,57 @@ def start_api_server(home: Path, timeout_s: float = START_TIMEOUT_S) -> str:
     )  # fmt: skip
     atexit.register(stop_process_group, proc)
     url = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the embedded Prefect API server exited with {proc.returncode}; see {log.name}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            stop_process_group(proc)
-            raise RuntimeError(f"the embedded Prefect API server did not start within {timeout_s:.0f}s; see {log.name}")
-        time.sleep(0.2)
+    save_template = fresh and not template.exists()
+    _starting.append((proc, url, log.name, time.monotonic() + timeout_s, timeout_s, db if save_template else None))
+    if wait:
+        wait_for_api_server()
+    return url
+
+
+def wait_for_api_server() -> None:
+    """Block until every API server started by `start_api_server` answers its health check."""
+    # One client for all polls: a new one per poll builds an SSL context each time, CPU the booting server needs.
+    with httpx.Client(timeout=2.0) as http:
+        while _starting:
+            proc, url, log_name, deadline, timeout_s, save_template = _starting[0]
+            if proc.poll() is not None:
+                _starting.pop(0)
+                raise RuntimeError(f"the embedded Prefect API server exited with {proc.returncode}; see {log_name}")
+            try:
+                if http.get(f"{url}/health").status_code == 200:
+                    _starting.pop(0)
+                    if save_template is not None:
+                        _save_template(save_template)
+                    continue
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                _starting.pop(0)
+                stop_process_group(proc)
+                raise RuntimeError(
+                    f"the embedded Prefect API server did not start within {timeout_s:.0f}s; see {log_name}"
+                )
+            time.sleep(0.2)
+
+
+def _template_db() -> Path:
+    """A migrated, empty Prefect database for this Prefect version. Creating the schema and registering the
+    block types takes a new server ~8 s of CPU (12 s to healthy vs 4 s on this 2-core machine); every run
+    directory gets a new database, so the first server's is kept and copied."""
+    return cache_root() / "prefect" / f"template-{version('prefect')}.db"
+
+
+def _save_template(db: Path) -> None:
+    """Copy a just-started server's database (nothing run yet) to the cache, consistently: SQLite's backup API
+    reads it as one transaction, WAL included. A failure only costs the next run the slow start."""
+    target = _template_db()
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with sqlite3.connect(db) as src, sqlite3.connect(tmp) as dst:
+            src.backup(dst)
+        src.close()
+        dst.close()
+        tmp.replace(target)  # atomic: two runs starting at once each write their own tmp
+    except (OSError, sqlite3.Error):
+        tmp.unlink(missing_ok=True)

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from sluiceway.flows.errors import UserError
+from sluiceway.infra.cache import cache_root
 
 # No hub access at run time (see DESIGN.md); loads below also pass local_files_only.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-CACHE_ENV = "SLUICEWAY_CACHE"
 _TMP_MARK = ".tmp-"
 
 
@@ -75,15 +75,6 @@ _REQUIRED: list[tuple[str, tuple[str, ...]]] = [
     ("weights (model.safetensors)", ("model.safetensors", "model.safetensors.index.json")),
     ("tokenizer (tokenizer.json)", ("tokenizer.json", "tokenizer.model")),
 ]
-
-
-def cache_root(cache_dir: str | Path | None = None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get(CACHE_ENV)
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "sluiceway"
 
 
 def model_cache_dir(name: str, cache_dir: str | Path | None = None) -> Path:
