@@ -187,12 +187,13 @@ def summary(r: dict, k: int) -> dict:
         "wall_samples_per_s": 32 * n / r["wall_s"],
         "peak_gib": r["peak_rss"] / 2**30,
         "reward_first": statistics.mean(r["rewards"][:k]),
+        "reward_mean": statistics.mean(r["rewards"]),
         "reward_last": statistics.mean(r["rewards"][-k:]),
         "wall_s": r["wall_s"],
     }
 
 
-def render(results: dict, a, started: float, load: tuple[str, str]) -> str:
+def render(results: dict, a, started: float, finished: float, load: tuple[str, str]) -> str:
     k = max(1, a.steps // 4)
     lines = [
         SECTION, "",
@@ -201,18 +202,22 @@ def render(results: dict, a, started: float, load: tuple[str, str]) -> str:
         "step boundaries: generation, reward, training; start-up excluded); samples/s counts 32 completions per "
         "step over the summed step times, and over the whole process's wall time (start-up, model load and, for "
         f"sluiceway, its Prefect server included) in the next column. Reward: mean of the first and last {k} "
-        "steps' training batches. Peak memory: largest summed RSS of the process tree.", "",
-        "| framework | dtype | s/step | samples/s | samples/s (wall) | wall s | peak GiB | reward first -> last |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "steps' training batches, and over all steps (the area under the reward curve: a run that learns sooner "
+        "scores higher, where first -> last can favour a slow start). Peak memory: largest summed RSS of the "
+        "process tree.", "",
+        "| framework | dtype | s/step | samples/s | samples/s (wall) | wall s | peak GiB | reward first -> last "
+        "| reward, mean of all steps |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]  # fmt: skip
     for (fw, dtype), r in results.items():
         if "failed" in r:
-            lines.append(f"| {fw} | {dtype} | failed: {r['failed']} | | | | | |")
+            lines.append(f"| {fw} | {dtype} | failed: {r['failed']} | | | | | | |")
     sums = {key: summary(r, k) for key, r in results.items() if "failed" not in r}
     for (fw, dtype), s in sums.items():
         lines.append(
             f"| {fw} | {dtype} | {s['s_per_step']:.1f} | {s['samples_per_s']:.2f} | {s['wall_samples_per_s']:.2f} "
-            f"| {s['wall_s']:.0f} | {s['peak_gib']:.2f} | {s['reward_first']:.3f} -> {s['reward_last']:.3f} |"
+            f"| {s['wall_s']:.0f} | {s['peak_gib']:.2f} | {s['reward_first']:.3f} -> {s['reward_last']:.3f} "
+            f"| {s['reward_mean']:.3f} |"
         )
     lines += ["", "Ratios, sluiceway / TRL:", ""]
     for fw, dtype in sums:
@@ -222,9 +227,14 @@ def render(results: dict, a, started: float, load: tuple[str, str]) -> str:
             lines.append(
                 f"- {fw}, {dtype}: samples/s {s['samples_per_s'] / t['samples_per_s']:.2f}x (wall "
                 f"{s['wall_samples_per_s'] / t['wall_samples_per_s']:.2f}x), peak memory "
-                f"{s['peak_gib'] / t['peak_gib']:.2f}x, reward gain {gain_s:+.3f} vs {gain_t:+.3f} "
-                "over the same number of samples"
+                f"{s['peak_gib'] / t['peak_gib']:.2f}x, reward gain {gain_s:+.3f} vs {gain_t:+.3f} and mean reward "
+                f"{s['reward_mean']:.3f} vs {t['reward_mean']:.3f} over the same number of samples"
             )
+    walls = {fw: sum(s["wall_s"] for (f, _), s in sums.items() if f == fw) for fw, _ in sums}
+    lines += [
+        "", f"Duration: {(finished - started) / 60:.1f} min from the first run's start to the last one's end; "
+        + ", ".join(f"{fw}'s runs {w / 60:.1f} min" for fw, w in walls.items()) + "."
+    ]  # fmt: skip
     versions = {}
     for r in results.values():
         versions |= r.get("versions", {})
@@ -242,6 +252,20 @@ def render(results: dict, a, started: float, load: tuple[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_stored(a) -> None:
+    """The doc section again from WORK_DIR's stored results (a change to the table's layout needs no new run)."""
+    stored = json.loads((a.work_dir / "results.json").read_text())
+    meta = json.loads((a.work_dir / "meta.json").read_text())
+    results = {tuple(k.split("|")): v for k, v in stored.items()}
+    a.steps, a.command = meta["steps"], last_command(a.work_dir)
+    text = render(results, a, meta["started"], meta["finished"], tuple(meta["load"]))
+    if a.no_doc:
+        print(text)
+    else:
+        write_section(text, SECTION)
+        print(f"wrote {SECTION!r} to docs/benchmarks.md from {a.work_dir}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=20, help="optimizer steps per run (default 20)")
@@ -256,8 +280,13 @@ def main() -> None:
     p.add_argument("--sluiceway-args", default="", help="extra `sluiceway run` flags, e.g. '--mode one-step-off'")
     p.add_argument("--add-to-last", metavar="LABEL", help="keep the last run's results (WORK_DIR/results.json) and "
                    "add these runs as framework 'sluiceway LABEL' (e.g. after a change to sluiceway)")  # fmt: skip
+    p.add_argument("--render-only", action="store_true", help="write the table from the last run's stored "
+                   "results (WORK_DIR/results.json, meta.json) without running anything")  # fmt: skip
     a = p.parse_args()
     a.dtypes = a.dtypes.split(",")
+    if a.render_only:
+        render_stored(a)
+        return
     frameworks = a.frameworks.split(",")
     a.command = (
         "make bench-trl"
@@ -296,8 +325,11 @@ def main() -> None:
             print(f"  {s['s_per_step']:.1f} s/step, {s['samples_per_s']:.2f} samples/s, peak {s['peak_gib']:.2f} GiB,"
                   f" reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}", flush=True)  # fmt: skip
             # After every run, so a benchmark cut short still leaves what it measured.
-            text = render(results, a, started, (load_before, load()))
+            finished, load_after = time.time(), load()
+            text = render(results, a, started, finished, (load_before, load_after))
             (a.work_dir / "results.json").write_text(json.dumps({"|".join(k): v for k, v in results.items()}))
+            meta = {"started": started, "finished": finished, "load": [load_before, load_after], "steps": a.steps}
+            (a.work_dir / "meta.json").write_text(json.dumps(meta))
             (a.work_dir / "command.txt").write_text(a.command)
             if not a.no_doc:
                 write_section(text, SECTION)
