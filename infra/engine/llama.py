@@ -197,7 +197,12 @@ class LlamaRunner:
 
     def _logits(self, x: Tensor) -> Tensor:
         x = self._rms(x, self.w["model.norm.weight"])
-        return F.linear(x, self.w["lm_head.weight"]).float()
+        w = self.w["lm_head.weight"]
+        if x.dim() == 2 and x.dtype == torch.float32:
+            # fp32 on CPU: the vocabulary-major product is faster for the few rows of a decode step (SmolLM2's
+            # 49152 x 576 head, copy included: 32 rows 31.6 -> 28.2 ms, 4 rows 19.7 -> 5.8 ms); in bf16 it is slower.
+            return (w @ x.t()).t().contiguous()  # rows contiguous again for the sampler
+        return F.linear(x, w).float()
 
     @torch.inference_mode()
     def forward_full(self, input_ids: Tensor) -> Tensor:
