@@ -224,16 +224,19 @@ class Runtime:
         tok = prep.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         total_iters = cfg.rollout.num_rollout * cfg.training.num_steps_per_rollout
-        # The engines load their model while the trainer builds (separate processes: on a CPU machine the
-        # two start-ups share the cores instead of queueing).
-        engines = RolloutEngines(cfg, prep.hf_dir, run_dir, wait=False)
+        # Embedded engines load their model while the trainer builds (separate processes: on a CPU machine the
+        # two start-ups share the cores instead of queueing). SGLang sizes its KV cache from the GPU memory free
+        # when it starts, so it starts after the trainer holds its share.
+        embedded = cfg.rollout.rollout_engine == "embedded"
+        early = RolloutEngines(cfg, prep.hf_dir, run_dir, wait=False) if embedded else None
         try:
             trainer = build_trainer(cfg, prep.hf_dir, pad, run_dir / "trainer", total_iters)
         except BaseException:
-            engines.close()
+            if early is not None:
+                early.close()
             raise
         try:
-            engines.wait_ready()
+            engines = early.wait_ready() if early is not None else RolloutEngines(cfg, prep.hf_dir, run_dir)
         except BaseException:
             _close_trainer(trainer)
             raise

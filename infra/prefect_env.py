@@ -16,6 +16,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from contextlib import closing
 from importlib.metadata import version
 from pathlib import Path
 
@@ -118,10 +119,8 @@ def _save_template(db: Path) -> None:
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        with sqlite3.connect(db) as src, sqlite3.connect(tmp) as dst:
+        with closing(sqlite3.connect(db)) as src, closing(sqlite3.connect(tmp)) as dst:
             src.backup(dst)
-        src.close()
-        dst.close()
         tmp.replace(target)  # atomic: two runs starting at once each write their own tmp
     except (OSError, sqlite3.Error):
         tmp.unlink(missing_ok=True)

@@ -56,19 +56,22 @@ def test_fused_logprobs_keep_the_logits_dtype_for_the_gradient():
     assert (logp.double() - ref_logp).abs().max() < 1e-5  # bf16 logits, fp32 softmax: no loss of precision
 
 
-def test_explicit_causal_attention_matches_sdpa():
+@pytest.mark.parametrize("packed", [False, True], ids=["causal", "packed"])
+def test_explicit_causal_attention_matches_sdpa(packed):
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, 4, 11, 16, generator=g, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
     assert _explicit_attention_pays(q, 11, None, 0.0)
     assert not _explicit_attention_pays(q.float(), 11, None, 0.0)  # fp32: SDPA is as fast
     assert not _explicit_attention_pays(q, 11, None, 0.1)  # dropout: SDPA's
-    # A packing mask: two samples in each row (the second from position 5), neither sees the other.
-    segments = (torch.arange(11) >= 5).long().expand(2, 11)
-    forbidden = (segments.unsqueeze(-1) != segments.unsqueeze(-2)).unsqueeze(1)
-    assert _explicit_attention_pays(q, 11, forbidden, 0.0)
+    allowed = torch.ones(11, 11, dtype=torch.bool).tril()
+    forbidden = None
+    if packed:  # two samples in each row (the second from position 5), neither sees the other
+        segments = (torch.arange(11) >= 5).long().expand(2, 11)
+        forbidden = (segments.unsqueeze(-1) != segments.unsqueeze(-2)).unsqueeze(1)
+        allowed = allowed & ~forbidden
+        assert _explicit_attention_pays(q, 11, forbidden, 0.0)
     out = _explicit_causal_attention(q, k, v, 0.25, forbidden)
     qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
-    allowed = torch.ones(11, 11, dtype=torch.bool).tril() & ~forbidden
     ref = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=allowed, scale=0.25)
     assert (out.float() - ref).abs().max() < 2e-2
     grad_out = torch.randn(ref.shape, generator=g)
