@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from sluiceway.infra.engine import Engine, GenerateRequest, SamplingParams
 from sluiceway.infra.engine.core import stream
+from sluiceway.infra.engine import packed_linear
 from sluiceway.infra.engine.kv_cache import SlotKVCache
 from sluiceway.infra.engine.llama import LlamaRunner, attention
 from sluiceway.models.zoo import load_hf_model, load_hf_state_dict, load_tokenizer, resolve_checkpoint
@@ -139,6 +140,47 @@ def test_forward_matches_transformers_with_slot_cache(model_dir):
         out = runner.decode(cache, torch.stack([ids[0, pos[0]], ids[1, pos[1]]]), pos)
         assert (out[0] - ref[0, pos[0]]).abs().max() <= 1e-4
         assert (out[1] - ref[1, pos[1]]).abs().max() <= 1e-4
+
+
+@pytest.mark.skipif(not packed_linear.available(torch.float32), reason="this torch build has no oneDNN linear ops")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_weights_compute_what_plain_weights_do(model_dir, dtype):
+    """oneDNN-packed matrices (the engine's CPU default) against F.linear: a tied Llama and an untied Qwen2 with
+    q/k/v biases, through a full forward, a padded prefill and decode steps."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    qwen = Qwen2ForCausalLM(
+        Qwen2Config(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            vocab_size=300,
+            tie_word_embeddings=False,
+        )
+    )
+    with torch.no_grad():
+        for name, p in qwen.named_parameters():
+            if name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    models = [(load_hf_model(model_dir).config, load_hf_state_dict(model_dir)), (qwen.config, qwen.state_dict())]
+    tol = 1e-4 if dtype == torch.float32 else 0.0  # bf16 accumulates in fp32 both ways: identical here
+    for config, sd in models:
+        plain = LlamaRunner(config, sd, dtype=dtype, pack_weights=False)
+        packed = LlamaRunner(config, sd, dtype=dtype, pack_weights=True)
+        assert packed.packed and "lm_head.weight" in packed.packed and not plain.packed
+        ids = torch.randint(3, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+        assert (packed.forward_full(ids) - plain.forward_full(ids)).abs().max() <= tol
+        caches = [SlotKVCache(r.n_layers, 2, r.n_kv, 32, r.head_dim, dtype) for r in (plain, packed)]
+        a, b = (r.prefill(c, 0, [ids[0, :9], ids[1, :4]]) for r, c in zip((plain, packed), caches))
+        assert (a - b).abs().max() <= tol
+        for step in range(3):
+            pos = torch.tensor([9 + step, 4 + step])
+            tokens = torch.stack([ids[0, pos[0]], ids[1, pos[1]]])
+            a, b = (r.decode(c, tokens, pos) for r, c in zip((plain, packed), caches))
+            assert (a - b).abs().max() <= tol
 
 
 def test_core_seeds_batching_abort_and_stream(model_dir):

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from sluiceway.infra.engine import packed_linear
 from sluiceway.infra.engine.kv_cache import SlotKVCache
 
 
@@ -77,7 +78,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, scale: fl
 class LlamaRunner:
     """Weights in plain tensors plus the forward passes the scheduler needs (prefill one, decode many)."""
 
-    def __init__(self, config: Any, state_dict: Mapping[str, Tensor], dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        config: Any,
+        state_dict: Mapping[str, Tensor],
+        dtype: torch.dtype = torch.float32,
+        pack_weights: bool | None = None,
+    ):
+        """`pack_weights`: keep the matrix weights in oneDNN's layout (`packed_linear`); None = where available."""
         self.config = config
         self.dtype = dtype
         self.n_layers = config.num_hidden_layers
@@ -92,7 +100,9 @@ class LlamaRunner:
         self.scale = self.head_dim**-0.5
         inv_freq, self.rope_scaling = rope_inv_freq(config)
         self.inv_freq = inv_freq
+        self.pack_weights = packed_linear.available(dtype) if pack_weights is None else pack_weights
         self.w: dict[str, Tensor] = {}
+        self.packed: dict[str, Tensor] = {}  # name -> packed weight; such a name has no plain tensor in self.w
         self.load_state_dict(state_dict)
 
     # ---------------------------------------------------------------------------------------------- weights
@@ -160,9 +170,27 @@ class LlamaRunner:
             new[p + "gate_up"] = torch.cat([new.pop(p + "mlp.gate_proj.weight"), new.pop(p + "mlp.up_proj.weight")])
         if self.tied:
             new["lm_head.weight"] = new["model.embed_tokens.weight"]
-        self.w = new
+        packed: dict[str, Tensor] = {}
+        if self.pack_weights:
+            for name in self._matrix_names():
+                # Packed weights live only in packed form (a tied head's embedding stays, under its own name).
+                packed[name] = packed_linear.pack(new.pop(name))
+        self.w, self.packed = new, packed
+
+    def _matrix_names(self) -> list[str]:
+        names = ["lm_head.weight"]
+        for n in range(self.n_layers):
+            p = f"model.layers.{n}."
+            names += [p + "qkv", p + "self_attn.o_proj.weight", p + "gate_up", p + "mlp.down_proj.weight"]
+        return names
 
     # ---------------------------------------------------------------------------------------------- forward
+    def _linear(self, x: Tensor, name: str, bias: Tensor | None = None) -> Tensor:
+        packed = self.packed.get(name)
+        if packed is not None:
+            return packed_linear.linear(x, packed, bias)
+        return F.linear(x, self.w[name], bias)
+
     def _rms(self, x: Tensor, weight: Tensor) -> Tensor:
         # As HF: normalise in fp32, cast back, then scale.
         xf = x.float()
@@ -180,7 +208,7 @@ class LlamaRunner:
         b, t, _ = x.shape
         hd = self.head_dim
         h = self._rms(x, w[p + "input_layernorm.weight"])
-        qkv = F.linear(h, w[p + "qkv"], w.get(p + "qkv_bias"))
+        qkv = self._linear(h, p + "qkv", w.get(p + "qkv_bias"))
         q, k, v = qkv.split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
         q = q.view(b, t, self.n_heads, hd).transpose(1, 2)
         k = k.view(b, t, self.n_kv, hd).transpose(1, 2)
@@ -190,13 +218,15 @@ class LlamaRunner:
         k = k * c + _rotate_half(k) * s
         o = attend(n, q, k, v)  # [b, heads, t, hd]
         o = o.transpose(1, 2).reshape(b, t, self.n_heads * hd)
-        x = x + F.linear(o, w[p + "self_attn.o_proj.weight"])
+        x = x + self._linear(o, p + "self_attn.o_proj.weight")
         h = self._rms(x, w[p + "post_attention_layernorm.weight"])
-        gate, up = F.linear(h, w[p + "gate_up"]).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
+        gate, up = self._linear(h, p + "gate_up").chunk(2, dim=-1)
+        return x + self._linear(F.silu(gate) * up, p + "mlp.down_proj.weight")
 
     def _logits(self, x: Tensor) -> Tensor:
         x = self._rms(x, self.w["model.norm.weight"])
+        if "lm_head.weight" in self.packed:
+            return self._linear(x, "lm_head.weight").float()
         w = self.w["lm_head.weight"]
         if x.dim() == 2 and x.dtype == torch.float32:
             # fp32 on CPU: the vocabulary-major product is faster for the few rows of a decode step (SmolLM2's
