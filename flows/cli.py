@@ -116,6 +116,7 @@ def make_parser() -> argparse.ArgumentParser:
     eng.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     eng.add_argument("--weight-version", default="0")
     eng.add_argument("--seed", type=int, default=None, help="base seed for requests without sampling_seed")
+    eng.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     add_ckpt_parser(sub)
     pools = sub.add_parser("pools", help="local inference pools that pull weight versions (development)")
     pools_sub = pools.add_subparsers(dest="pools_command", required=True, parser_class=_Parser)
@@ -169,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.max_running_requests < 1 or args.max_total_len < 2:
                 raise UserError("engine: --max-running-requests must be >= 1 and --max-total-len >= 2")
+            if args.num_threads is not None and args.num_threads < 1:
+                raise UserError("engine: --num-threads must be >= 1")
             serve(
                 args.model,
                 host=args.host,
@@ -178,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                 dtype=args.dtype,
                 weight_version=args.weight_version,
                 seed=args.seed,
+                num_threads=args.num_threads,
             )
             return 0
         if args.command == "server":

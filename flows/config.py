@@ -128,6 +128,13 @@ class RolloutConfig(_Group):
         None, description="URLs of engines someone else runs (SGLang servers or `sluiceway engine`) to attach."
     )
     engine_max_running_requests: int = Field(64, ge=1, description="Sequences each embedded engine decodes at once.")
+    engine_num_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch threads of each embedded engine. Default: the CPU's cores (resources.num_threads if "
+        "set) shared out evenly over rollout_num_engines, at least 1 each. On a CPU, several engines of few "
+        "threads generate faster than one of many: the single-threaded part of each decode step overlaps.",
+    )
     rollout_pools: list[str] | None = Field(
         None,
         description="Remote pools that take groups beside the run's own engines, as NAME=ROUTER_URL (e.g. "

@@ -25,6 +25,15 @@ from sluiceway.tasks.rollout.dispatch import PoolTarget
 log = logging.getLogger("sluiceway")
 
 
+def embedded_engine_threads(cfg: RunConfig) -> int:
+    """Each embedded engine's torch threads: rollout.engine_num_threads, else the cores split over the engines."""
+    r = cfg.rollout
+    if r.engine_num_threads is not None:
+        return r.engine_num_threads
+    cores = cfg.resources.num_threads or len(os.sched_getaffinity(0))
+    return max(1, cores // max(1, r.rollout_num_engines))
+
+
 class RolloutEngines:
     def __init__(self, cfg: RunConfig, model_dir: Path, run_dir: Path, weight_version: int = 0, wait: bool = True):
         """Start the router and the embedded engines. With `wait` False the engines load their model while the
@@ -36,6 +45,7 @@ class RolloutEngines:
         engine_args = (
             "--max-running-requests", str(r.engine_max_running_requests), "--max-total-len", str(max_total),
             "--dtype", "bfloat16" if cfg.training.bf16 else "float32", "--weight-version", str(weight_version),
+            "--num-threads", str(embedded_engine_threads(cfg)),
         )  # fmt: skip
         launcher = None
         if r.rollout_engine == "sglang":

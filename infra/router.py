@@ -48,12 +48,16 @@ Facts measured on 0.3.2 with a stub worker (they shape the code below):
   ``/continue_generation``, ``/update_weights_from_disk``, ``/abort_request`` are 404: control calls go to each
   engine directly (:class:`sluiceway.tasks.rollout.client.EngineClient`).
 
-Policy: ``round_robin`` by default. RL rollouts send many same-length requests at once and want even load and
-full use of every engine. ``cache_aware`` (the router's own default) sends a request to the engine whose
-prefix tree matches best unless loads differ by more than ``--balance-abs-threshold`` (64) requests: measured
-with ``input_ids``-only requests, 8 requests with 8 different prompts all went to one of two engines. It pays
-off only for prefix-cache hits on real SGLang (large GRPO groups); pass ``policy="cache_aware"`` there.
-``random`` also works; ``power_of_two`` refuses to start without 2 initial workers.
+Policy: ``manual`` with ``--assignment-mode min_group`` by default. A request that carries an
+``X-SMG-Routing-Key`` header goes where the first request with that key went; a new key goes to the engine
+holding the fewest active keys. The rollout sends each GRPO group's samples under one key, so a group's
+samples share one engine's prefill of their prompt (our engine shares it across the group; SGLang's radix cache
+does the same) and the groups spread evenly. Requests without a key go to a random engine. ``round_robin``
+splits a group over the engines (each then prefills its prompt), and ``cache_aware`` (the router's own default)
+sends a request to the engine whose prefix tree matches best unless loads differ by more than
+``--balance-abs-threshold`` (64) requests: measured with ``input_ids``-only requests, 8 requests with 8
+different prompts all went to one of two engines. ``random`` also works; ``power_of_two`` refuses to start
+without 2 initial workers.
 """
 
 from __future__ import annotations
@@ -75,7 +79,8 @@ from sluiceway.infra.proc import die_with_parent
 
 HOST = "127.0.0.1"
 # power_of_two is left out: 0.3.2 refuses to start it with fewer than 2 workers, and we start empty.
-POLICIES = ("round_robin", "cache_aware", "random")
+POLICIES = ("manual", "round_robin", "cache_aware", "random")
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # what the manual policy routes by
 
 
 def free_port() -> int:
@@ -120,7 +125,7 @@ class SGLangRouter:
     def __init__(
         self,
         log_dir: str | Path,
-        policy: str = "round_robin",
+        policy: str = "manual",
         port: int | None = None,
         health_check_interval_s: int = 5,
         health_failure_threshold: int = 2,
@@ -161,6 +166,7 @@ class SGLangRouter:
             "--host", HOST, "--port", str(port),
             "--prometheus-host", HOST, "--prometheus-port", str(prometheus_port),
             "--policy", self.policy,
+            *(("--assignment-mode", "min_group") if self.policy == "manual" else ()),
             "--health-check-interval-secs", str(self.health_check_interval_s),
             "--health-failure-threshold", str(self.health_failure_threshold),
             "--retry-max-retries", str(self.max_retries),

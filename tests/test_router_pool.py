@@ -110,6 +110,33 @@ def test_generate_through_router_uses_both_engines(stack):
         assert outcomes[u].get("success", 0) > served_before.get(u, {}).get("success", 0)
 
 
+def test_a_group_key_keeps_a_group_on_one_engine_and_groups_spread(stack):
+    """The manual policy (min_group): requests with one routing key go to one engine; new keys go to the engine
+    with the fewest active keys, so 8 groups sent together split 4/4."""
+    router, pool = stack
+    # Long enough that all 8 groups are in flight when the last one is assigned (a finished key stops counting).
+    params = {"max_new_tokens": 32, "ignore_eos": True, "temperature": 1.0}
+
+    async def groups(tag: str, keys: list[int]) -> list[GenerateResult]:
+        async with EngineClient(router.url, pool.urls) as client:
+            calls = [
+                client.generate(
+                    [1, 5 + k, 9, 11], dict(params, sampling_seed=i), f"{tag}-{k}-{i}", routing_key=f"{tag}/{k}"
+                )
+                for k in keys
+                for i in range(4)
+            ]
+            return await asyncio.gather(*calls)
+
+    for k in range(4):  # one group at a time: all 4 samples on one engine, whichever it is
+        before = {u: finished_requests(u) for u in pool.urls}
+        run(groups("one", [k]))
+        assert sorted(finished_requests(u) - before[u] for u in pool.urls) == [0, 4]
+    before = {u: finished_requests(u) for u in pool.urls}
+    run(groups("eight", list(range(8))))
+    assert [finished_requests(u) - before[u] for u in pool.urls] == [16, 16]
+
+
 def test_remove_and_add_worker_at_runtime(stack):
     router, pool = stack
     kept, removed = pool.urls

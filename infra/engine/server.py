@@ -600,13 +600,24 @@ def serve(
     weight_version: str = "0",
     seed: int | None = None,
     log_level: str = "warning",
+    num_threads: int | None = None,
 ) -> None:
-    """Resolve `model` (zoo name or directory), load it, and serve until interrupted (binds loopback by default)."""
+    """Resolve `model` (zoo name or directory), load it, and serve until interrupted (binds loopback by default).
+
+    `num_threads`: torch's intra-op threads for this engine's forward passes. Engines that share a machine's
+    cores run faster each on its own share than all on every core: a decode step is part matrix products and
+    part single-threaded Python and small ops, and two one-thread engines fill both cores where one two-thread
+    engine leaves one idle during the serial part (SmolLM2 on 2 cores, 32 requests: bf16 3.6 -> 1.9 s).
+    """
     import uvicorn
 
     from sluiceway.infra.engine.core import dtype_from_name
     from sluiceway.models.zoo import resolve_checkpoint
 
+    if num_threads is not None:
+        import torch
+
+        torch.set_num_threads(num_threads)
     path = resolve_checkpoint(model)
     try:
         torch_dtype = dtype_from_name(dtype)

@@ -27,6 +27,8 @@ from typing import Any
 
 import httpx
 
+from sluiceway.infra.router import ROUTING_KEY_HEADER
+
 
 class EngineError(RuntimeError):
     """A generate call failed for good, or an engine refused a control call (the message names the engine)."""
@@ -112,9 +114,17 @@ class EngineClient:
     # --- generation ----------------------------------------------------------------------------------------
 
     async def generate(
-        self, input_ids: list[int], sampling_params: dict, rid: str, return_logprob: bool = True
+        self,
+        input_ids: list[int],
+        sampling_params: dict,
+        rid: str,
+        return_logprob: bool = True,
+        routing_key: str | None = None,
     ) -> GenerateResult:
+        """One request through the router. Requests with one `routing_key` (a GRPO group's samples) go to one
+        engine, where they share their prompt's prefill (infra/router.py: the manual policy)."""
         body = {"input_ids": list(input_ids), "sampling_params": sampling_params, "rid": rid}
+        headers = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
         if return_logprob:
             body["return_logprob"] = True
         start = time.monotonic()
@@ -123,7 +133,7 @@ class EngineClient:
             if attempt:
                 await asyncio.sleep(min(self.retry_backoff_s * 2 ** (attempt - 1), 10.0))
             try:
-                r = await self._http.post(f"{self.router_url}/generate", json=body)
+                r = await self._http.post(f"{self.router_url}/generate", json=body, headers=headers)
             except (httpx.ReadTimeout, httpx.WriteTimeout) as e:
                 raise EngineError(f"rid {rid}: no answer from {self.router_url} in time ({e!r})") from e
             except httpx.TransportError as e:

@@ -65,6 +65,7 @@ class GenerateContext:
     tokenizer: object
     rid: str  # base request id of this sample; turn k is sent as f"{rid}#k"
     max_new_tokens: int  # the sample's whole budget of response tokens, model and environment together
+    routing_key: str | None = None  # the group's: every turn of every sample of a group goes to one engine
 
     def new_buffer(self, prompt_ids: list[int]) -> TokenBuffer:
         return TokenBuffer(list(prompt_ids))
@@ -78,7 +79,9 @@ class GenerateContext:
     async def generate(self, buf: TokenBuffer, params: dict):
         """One model turn from the buffer's current end; appends the result and returns it."""
         p = dict(params, max_new_tokens=min(params.get("max_new_tokens", self.max_new_tokens), self.remaining(buf)))
-        result = await self.client.generate(buf.input_ids(), p, rid=f"{self.rid}#{buf.turns}")
+        result = await self.client.generate(
+            buf.input_ids(), p, rid=f"{self.rid}#{buf.turns}", routing_key=self.routing_key
+        )
         buf.add_model(result)
         return result
 

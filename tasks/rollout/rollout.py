@@ -66,6 +66,11 @@ def request_id(run_id: str, step: int, group_id: int, sample_index: int) -> str:
     return f"{run_id}/{step}/{group_id}/{sample_index}"
 
 
+def group_key(run_id: str, step: int, group_id: int) -> str:
+    """The router's routing key of a group: its samples go to one engine, which prefills their prompt once."""
+    return f"{run_id}/{step}/{group_id}"
+
+
 @dataclass
 class Partial:
     """Tokens a sample already has from an aborted earlier attempt (empty for a fresh sample)."""
@@ -247,12 +252,12 @@ async def run_rollout(
         }
         if params["max_new_tokens"] <= 0:  # nothing left to generate: the partial is already full length
             return _Aborted(finish_reason="length", weight_version=part.weight_versions[-1])
-        rid = request_id(run_id, step, w.group_id, i)
+        rid, key = request_id(run_id, step, w.group_id, i), group_key(run_id, step, w.group_id)
         if s.custom_generate is not None:
-            ctx = GenerateContext(target.client, s.tokenizer, rid, s.max_new_tokens)
+            ctx = GenerateContext(target.client, s.tokenizer, rid, s.max_new_tokens, routing_key=key)
             call = s.custom_generate(ctx, w.prompt, params)
         else:
-            call = target.client.generate(w.prompt.token_ids + part.token_ids, params, rid=rid)
+            call = target.client.generate(w.prompt.token_ids + part.token_ids, params, rid=rid, routing_key=key)
         res = await call if target.local else await _unless(enough, call)
         if res is None:  # the step had enough groups first; the remote request is dropped, not waited for
             return _Aborted(weight_version=target.version or 0)
