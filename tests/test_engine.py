@@ -22,9 +22,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sluiceway.infra.engine import Engine, GenerateRequest, SamplingParams
+from sluiceway.infra.engine import Engine, GenerateRequest, SamplingParams, packed_linear
 from sluiceway.infra.engine.core import stream
-from sluiceway.infra.engine import packed_linear
 from sluiceway.infra.engine.kv_cache import SlotKVCache
 from sluiceway.infra.engine.llama import LlamaRunner, attention
 from sluiceway.models.zoo import load_hf_model, load_hf_state_dict, load_tokenizer, resolve_checkpoint

@@ -98,7 +98,8 @@ def test_router_two_engines_logprobs_and_engine_death(tmp_path, model_dir):
     store = ObjectStore.from_uri(str(tmp_path / "tables"))
     router, pool = start_stack(tmp_path, model_dir, 2)
     try:
-        s = settings(groups_needed=10, groups_submitted=10, max_new_tokens=24, max_concurrency=6)
+        # 3 groups in flight: the router's manual policy puts a group's samples on one engine and spreads groups.
+        s = settings(groups_needed=10, groups_submitted=10, max_new_tokens=24, max_concurrency=12)
         work = plan_step(store, "r", 0, make_prompts(tok, 10), s, [])
 
         async def go():
@@ -108,8 +109,12 @@ def test_router_two_engines_logprobs_and_engine_death(tmp_path, model_dir):
                         client=client, store=store, run_id="r", step=0, work=work, settings=s, decode=tok.decode
                     )
                 )
-                # Kill an engine once some groups are stored, while others are in flight.
-                while read_trajectories(store, "r", 0).num_rows < 2 * s.n_samples and not task.done():
+                # Kill an engine once some groups are stored and both engines served, while others are in flight.
+                def early() -> bool:
+                    stored = read_trajectories(store, "r", 0).num_rows
+                    return stored < 2 * s.n_samples or any(finished_requests(u) == 0 for u in pool.urls)
+
+                while early() and not task.done():
                     await asyncio.sleep(0.2)
                 served_before_kill = [finished_requests(u) for u in pool.urls]
                 pool.kill(0)

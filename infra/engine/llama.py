@@ -175,6 +175,10 @@ class LlamaRunner:
             for name in self._matrix_names():
                 # Packed weights live only in packed form (a tied head's embedding stays, under its own name).
                 packed[name] = packed_linear.pack(new.pop(name))
+        # Own every tensor: safetensors maps files, and a weight directory may be rewritten in place later
+        # (tasks/sync/disk.py), which must not change what this engine serves.
+        loaded = {t.data_ptr() for t in sd.values()}
+        new = {k: t.clone() if t.data_ptr() in loaded else t for k, t in new.items()}
         self.w, self.packed = new, packed
 
     def _matrix_names(self) -> list[str]:

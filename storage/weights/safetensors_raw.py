@@ -49,15 +49,18 @@ class RawTensor:
         return len(self.data)
 
 
-def from_torch(t: torch.Tensor) -> RawTensor:
+def from_torch(t: torch.Tensor, copy: bool = True) -> RawTensor:
+    """`copy` False: the data is a view of the tensor's memory (kept alive by it), for a write that follows."""
     import torch
 
     name = _TORCH_NAME.get(str(t.dtype).removeprefix("torch."))
     if name is None:
         raise ValueError(f"dtype {t.dtype} has no safetensors name")
     flat = t.detach().cpu().contiguous().reshape(-1)
-    data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""  # a bit-level view, no conversion
-    return RawTensor(name, tuple(t.shape), data)
+    if not flat.numel():
+        return RawTensor(name, tuple(t.shape), b"")
+    raw = flat.view(torch.uint8).numpy()  # a bit-level view, no conversion
+    return RawTensor(name, tuple(t.shape), raw.tobytes() if copy else memoryview(raw))
 
 
 def to_torch(raw: RawTensor) -> torch.Tensor:
@@ -98,8 +101,16 @@ def read(path: Path) -> tuple[dict[str, RawTensor], dict[str, str]]:
     return parse(Path(path).read_bytes(), what=str(path))
 
 
-def write(path: Path, tensors: Mapping[str, RawTensor], metadata: Mapping[str, str] | None = None) -> None:
-    """A safetensors file with the tensors in the given order (same input, same bytes)."""
+def write(
+    path: Path, tensors: Mapping[str, RawTensor], metadata: Mapping[str, str] | None = None, reuse: bool = False
+) -> None:
+    """A safetensors file with the tensors in the given order (same input, same bytes).
+
+    `reuse`: an existing file of exactly the new size is overwritten in place, every byte, instead of truncated
+    and written anew: its pages are reused, so no memory is allocated and no new file goes to writeback (a
+    540 MB weight file: 0.07-0.13 s in place, 0.13-1.4 s as a new file on this machine's disk). Whoever maps
+    the old file sees the new bytes: only for files no one reads any more.
+    """
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name, t in tensors.items():
@@ -107,7 +118,9 @@ def write(path: Path, tensors: Mapping[str, RawTensor], metadata: Mapping[str, s
         offset += t.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    with open(path, "wb") as f:
+    size = 8 + len(blob) + offset
+    in_place = reuse and Path(path).is_file() and Path(path).stat().st_size == size
+    with open(path, "r+b" if in_place else "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for t in tensors.values():

@@ -124,7 +124,7 @@ class EngineClient:
         """One request through the router. Requests with one `routing_key` (a GRPO group's samples) go to one
         engine, where they share their prompt's prefill (infra/router.py: the manual policy)."""
         body = {"input_ids": list(input_ids), "sampling_params": sampling_params, "rid": rid}
-        headers = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
+        keyed = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
         if return_logprob:
             body["return_logprob"] = True
         start = time.monotonic()
@@ -133,6 +133,9 @@ class EngineClient:
             if attempt:
                 await asyncio.sleep(min(self.retry_backoff_s * 2 ** (attempt - 1), 10.0))
             try:
+                # Retries go without the key: the router keeps a key on its engine until health checks mark
+                # that engine down, so a dead engine would take every retry; unkeyed, it picks (and retries) anew.
+                headers = keyed if attempt == 0 else None
                 r = await self._http.post(f"{self.router_url}/generate", json=body, headers=headers)
             except (httpx.ReadTimeout, httpx.WriteTimeout) as e:
                 raise EngineError(f"rid {rid}: no answer from {self.router_url} in time ({e!r})") from e
