@@ -135,6 +135,10 @@ class RolloutEngines:
         self.weight_version = version
 
     def close(self) -> None:
+        """Stop the engines and the router; a second call does nothing."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         try:
             if self.loop is not None:  # None: closed before wait_ready
                 for t in self.remote:

@@ -19,16 +19,43 @@ def _configure(cfg: RunConfig, wait: bool = True) -> None:
     logging.getLogger("sluiceway").setLevel(cfg.logging.log_level)
 
 
+def _start_engines_early(cfg: RunConfig):
+    """Embedded engines (and the router) started before the flow's imports, to load their model meanwhile.
+
+    The imports take 6-7 s of one core on this 2-core machine; an engine loading SmolLM2 takes about as long, so
+    it is ready when the trainer is instead of some seconds after. SGLang engines start after the trainer
+    (flows/runtime.py says why).
+    """
+    if cfg.rollout.rollout_engine != "embedded" or cfg.rollout.rollout_num_engines == 0:
+        return None
+    from pathlib import Path
+
+    from sluiceway.flows.engines import RolloutEngines
+    from sluiceway.models.zoo import resolve_checkpoint
+
+    run_dir = Path(cfg.storage.output_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return RolloutEngines(cfg, resolve_checkpoint(cfg.training.hf_checkpoint), run_dir, wait=False)
+
+
 def run(cfg: RunConfig) -> dict:
     _configure(cfg, wait=False)  # Prefect's server boots while the imports and checks below run
-    from sluiceway.flows.rl import rl_flow  # imported after Prefect's settings are in the environment
-    from sluiceway.flows.runtime import hand_over, prepare
+    early = _start_engines_early(cfg)
+    try:
+        from sluiceway.flows.rl import rl_flow  # imported after Prefect's settings are in the environment
+        from sluiceway.flows.runtime import hand_over, prepare
 
-    # Everything a user can get wrong (data files, scorer, model name, prompt lengths) is checked here,
-    # before the flow starts, so a mistake is one line rather than a failed flow run; the flow reuses it.
-    hand_over(cfg, prepare(cfg))
-    wait_for_api_server()
-    result = rl_flow(cfg.model_dump(mode="json"))
+        # Everything a user can get wrong (data files, scorer, model name, prompt lengths) is checked here,
+        # before the flow starts, so a mistake is one line rather than a failed flow run; the flow reuses it.
+        hand_over(cfg, prepare(cfg), engines=early)
+        wait_for_api_server()
+        result = rl_flow(cfg.model_dump(mode="json"))
+    finally:
+        if early is not None:  # the flow's runtime took and closed them, unless it failed before that
+            from sluiceway.flows.runtime import take_early_engines
+
+            take_early_engines(cfg.run_id)
+            early.close()
     if not cfg.logging.quiet:
         print(
             f"done: {result['steps']} steps, weight version {result['final_weight_version']}, "

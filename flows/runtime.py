@@ -228,7 +228,9 @@ class Runtime:
         # two start-ups share the cores instead of queueing). SGLang sizes its KV cache from the GPU memory free
         # when it starts, so it starts after the trainer holds its share.
         embedded = cfg.rollout.rollout_engine == "embedded"
-        early = RolloutEngines(cfg, prep.hf_dir, run_dir, wait=False) if embedded else None
+        early = take_early_engines(cfg.run_id)
+        if early is None and embedded:
+            early = RolloutEngines(cfg, prep.hf_dir, run_dir, wait=False)
         try:
             trainer = build_trainer(cfg, prep.hf_dir, pad, run_dir / "trainer", total_iters)
         except BaseException:
@@ -327,13 +329,23 @@ _RUNTIMES: dict[str, Runtime] = {}
 _PREPARED: dict[str, Prepared] = {}
 
 
-def hand_over(cfg: RunConfig, prep: Prepared) -> None:
+# Embedded engines the CLI started before its imports, handed to the flow's Runtime (which then owns them).
+_EARLY_ENGINES: dict[str, RolloutEngines] = {}
+
+
+def hand_over(cfg: RunConfig, prep: Prepared, engines: RolloutEngines | None = None) -> None:
     _PREPARED[cfg.run_id] = prep
+    if engines is not None:
+        _EARLY_ENGINES[cfg.run_id] = engines
 
 
 def take_prepared(run_id: str) -> Prepared | None:
     """The preflight's Prepared for this run, if this process made one (a deployment's worker did not)."""
     return _PREPARED.pop(run_id, None)
+
+
+def take_early_engines(run_id: str) -> RolloutEngines | None:
+    return _EARLY_ENGINES.pop(run_id, None)
 
 
 def register(rt: Runtime) -> None:

@@ -108,9 +108,23 @@ def test_cli_unknown_flag(tmp_path):
     assert_one_line_error(sluiceway("run", "--rollout-batch-sise", "4", cwd=tmp_path), "--rollout-batch-sise")
 
 
+def engine_processes() -> set[int]:
+    import psutil
+
+    found = set()
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "sluiceway.flows.cli engine" in cmd or "sglang_router.launch_router" in cmd:
+            found.add(p.pid)
+    return found
+
+
 def test_cli_missing_data_file(tmp_path, run_args):
+    before = engine_processes()
     proc = sluiceway("run", "--prompt-data", "nope.jsonl", *run_args, cwd=tmp_path)
     assert_one_line_error(proc, "nope.jsonl", "not found")
+    # The engines and the router start before the data is checked (flows/run.py); the error stops them.
+    assert engine_processes() - before == set()
 
 
 def test_cli_malformed_jsonl_line(tmp_path, run_args):

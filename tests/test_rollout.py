@@ -109,6 +109,7 @@ def test_router_two_engines_logprobs_and_engine_death(tmp_path, model_dir):
                         client=client, store=store, run_id="r", step=0, work=work, settings=s, decode=tok.decode
                     )
                 )
+
                 # Kill an engine once some groups are stored and both engines served, while others are in flight.
                 def early() -> bool:
                     stored = read_trajectories(store, "r", 0).num_rows
