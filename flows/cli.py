@@ -20,6 +20,7 @@ slime's names for the fields slime has. A user mistake prints one line and exits
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import types
 import typing
@@ -242,5 +243,19 @@ def _dispatch(command: str, cfg: RunConfig) -> int:
     return 0
 
 
+def entry() -> None:
+    """The `sluiceway` console script (and `python -m sluiceway.flows.cli`): `main`, then a prompt exit.
+
+    The garbage collector is switched off and its objects frozen before the interpreter's teardown: after a
+    run, collecting the object graphs of torch, megatron and Prefect at exit took 2-3 s (SmolLM2, 2 cores), and
+    the process's memory goes back to the system when it ends anyway. Reference counting, finalizers and atexit
+    handlers (the embedded Prefect server's stop, logging's flush) work as at any exit.
+    """
+    code = main()
+    gc.disable()
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
