@@ -77,9 +77,6 @@ class _MicroBatch:
     attention_mask: torch.Tensor | None = None  # [rows, 1, s, s], laid-out rows only
     unpack: torch.Tensor | None = None  # [n, w-1] long, laid-out rows only
     rewards: torch.Tensor | None = None  # [n], for the token-level estimators
-    # Unpacked rows: the first position whose log-prob any loss reads (the shortest prompt's last token); the
-    # output layer skips the positions before it (under TP; at TP=1 it computes only where `mask` is set).
-    first_target: int = 0
     position_ids: torch.Tensor | None = None  # [rows, s] RoPE positions, laid-out rows only
     targets: torch.Tensor | None = None  # [n, w-1] the token at t+1 of each sample, laid-out rows only
 
@@ -116,8 +113,7 @@ def collate(samples: list[TrainSample], pad_id: int, rows: list[list[int]] | Non
         ids = torch.full((n, w), pad_id, dtype=torch.long)
         for i, s in enumerate(samples):
             ids[i, : lengths[i]] = torch.tensor(s.prompt_ids + s.response_ids)
-        first = min(len(s.prompt_ids) for s in samples) - 1
-        return _MicroBatch(ids, mask, adv, rlp, rewards=rewards, first_target=first)
+        return _MicroBatch(ids, mask, adv, rlp, rewards=rewards)
     layouts = [_lay_out_row([samples[i] for i in row]) for row in rows]
     width = max(len(tokens) for tokens, *_ in layouts)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -243,7 +239,7 @@ class PolicyTrainer:
         temperature = self.temperature if temperature is None else temperature
         needed = mb.mask > 0
         if mb.unpack is None:
-            return token_logprobs_and_entropy(model, mb.input_ids, temperature, None, mb.first_target, needed)
+            return token_logprobs_and_entropy(model, mb.input_ids, temperature, needed=needed)
         sample, t = needed.nonzero(as_tuple=True)
         flat = mb.unpack[sample, t]
         width = mb.input_ids.size(1)
