@@ -132,8 +132,9 @@ class RolloutConfig(_Group):
         None,
         ge=1,
         description="torch threads of each embedded engine. Default: the CPU's cores (resources.num_threads if "
-        "set) shared out evenly over rollout_num_engines, at least 1 each. On a CPU, several engines of few "
-        "threads generate faster than one of many: the single-threaded part of each decode step overlaps.",
+        "set) shared out evenly over rollout_num_engines, at least 1 each. Several engines of few threads overlap "
+        "each other's single-threaded work (SmolLM2, 32 requests on 2 cores: two 1-thread engines 1.9 s, one "
+        "2-thread engine 3.6 s in bf16; fp32 3.0 vs 3.7 s), but each holds its own weights and reloads them.",
     )
     rollout_pools: list[str] | None = Field(
         None,
