@@ -30,7 +30,8 @@ def embedded_engine_threads(cfg: RunConfig) -> int:
     r = cfg.rollout
     if r.engine_num_threads is not None:
         return r.engine_num_threads
-    cores = cfg.resources.num_threads or len(os.sched_getaffinity(0))
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # not on macOS
+    cores = cfg.resources.num_threads or usable or 1
     return max(1, cores // max(1, r.rollout_num_engines))
 
 
