@@ -146,3 +146,16 @@ def test_configuration_reference_is_current():
 
     doc = Path(__file__).parents[1] / "docs" / "configuration.md"
     assert doc.read_text() == render_markdown(), "regenerate: python -m sluiceway.flows.config_docs"
+
+
+def test_embedded_engines_share_the_cores():
+    import os
+
+    from sluiceway.flows.engines import embedded_engine_threads
+
+    cores = len(os.sched_getaffinity(0))
+    base = ["run", "--prompt-data", "env:arithmetic"]
+    assert embedded_engine_threads(cfg_from(base)) == cores
+    assert embedded_engine_threads(cfg_from([*base, "--rollout-num-engines", "2"])) == max(1, cores // 2)
+    assert embedded_engine_threads(cfg_from([*base, "--num-threads", "8", "--rollout-num-engines", "2"])) == 4
+    assert embedded_engine_threads(cfg_from([*base, "--engine-num-threads", "3"])) == 3
