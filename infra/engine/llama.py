@@ -76,7 +76,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, scale: fl
 
 
 class LlamaRunner:
-    """Weights in plain tensors plus the forward passes the scheduler needs (prefill one, decode many)."""
+    """Weights (plain tensors, the matrices packed for oneDNN on CPU) plus the forward passes the scheduler needs
+    (prefill one, decode many)."""
 
     def __init__(
         self,
