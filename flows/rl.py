@@ -4,7 +4,7 @@
 
 Stage logic lives in `sluiceway.tasks.*` as plain functions; the tasks here only fetch the live runtime and
 return small summaries (counts, versions) that Prefect records. Stages are tasks rather than subflows
-because each flow run costs about a second of Prefect overhead (DESIGN.md).
+because each flow run costs about a second of Prefect overhead (docs/design.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What a run holds in memory between stages: store, tokenizer, prompts, engines, trainer, reward settings.
 
-Prefect task parameters must stay small and JSON-able (DESIGN.md), so tasks receive (run_id, step) and
+Prefect task parameters must stay small and JSON-able (docs/design.md), so tasks receive (run_id, step) and
 find the live objects here. Everything durable -- data, trajectories, rewards, metrics, checkpoints --
 is in the tables or the run directory, which is what a restarted run resumes from.
 """

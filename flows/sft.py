@@ -6,7 +6,7 @@
 Steps walk the data set epoch by epoch, each epoch in its own seeded order, global_batch_size samples a step
 (the last one may be short): ceil(samples x num_epoch / global_batch_size) steps. The order depends only on the
 seed, so a resumed run trains the same batches a straight one would have. Stages are tasks, not subflows
-(DESIGN.md); like the RL flow they find the live trainer by run id and return small dicts.
+(docs/design.md); like the RL flow they find the live trainer by run id and return small dicts.
 """
 
 from __future__ import annotations

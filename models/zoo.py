@@ -22,7 +22,7 @@ import torch
 from sluiceway.flows.errors import UserError
 from sluiceway.infra.cache import cache_root
 
-# No hub access at run time (see DESIGN.md); loads below also pass local_files_only.
+# No hub access at run time (see docs/design.md); loads below also pass local_files_only.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 _TMP_MARK = ".tmp-"

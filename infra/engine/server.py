@@ -1,5 +1,5 @@
 """SGLang's native HTTP API in front of the embedded engine, so it, a real SGLang server and sglang-router
-are interchangeable behind one client (DESIGN.md, Contracts).
+are interchangeable behind one client (docs/design.md, Contracts).
 
 Field names, response shapes and status codes follow sglang's `http_server.py` / `io_struct.py`:
 `/generate` (text or input_ids, single or batched; SSE streaming with cumulative `text`/`output_ids`, as

@@ -1,6 +1,6 @@
 """The policy trainer: a megatron-core GPTModel built from HF weights, trained with a PPO-clip objective.
 
-On CPU megatron's own DDP/optimizer are CUDA-only (DESIGN.md), so the optimizer is torch's AdamW. With
+On CPU megatron's own DDP/optimizer are CUDA-only (docs/design.md), so the optimizer is torch's AdamW. With
 `bf16` the model computes in bf16 while AdamW updates fp32 master copies of its weights (megatron's own
 mixed-precision scheme; autocast is not an option because megatron's linear layers pin autocast to CUDA).
 Weights leave the trainer in HF names, from the fp32 masters.
