@@ -200,7 +200,7 @@ def make_config(args, out_dir: Path):
         flags += ["--lr", "1e-4"]
     else:  # the demo's settings
         flags += ["--apply-chat-template", "--rm-type", "math", "--rollout-temperature", "0.7", "--lr", "5e-6"]
-        flags += ["--bf16"]
+        flags += ["--precision", "auto"]  # what the demo uses: bf16 where this CPU computes it natively
     if args.threads:
         flags += ["--num-threads", str(args.threads)]
     if "mode" in RolloutConfig.model_fields:  # the asynchronous modes are being added to the flow

@@ -104,17 +104,21 @@ def make_parser() -> argparse.ArgumentParser:
     dep.add_argument("--api-url", default=None, help="the Prefect API (default $PREFECT_API_URL or 127.0.0.1:4200)")
     dep.add_argument("--home", default=".sluiceway/prefect", help="PREFECT_HOME of this client process")
     _add_field_arguments(dep)
-    rep = sub.add_parser("report", help="a run's per-step metrics as a markdown table")
+    rep = sub.add_parser("report", help="a run's per-step metrics as a markdown table, its charts as a PNG")
     rep.add_argument("output_dir", help="the run's --output-dir")
     rep.add_argument("--run-id", default=None, help="default: the output directory's name")
     rep.add_argument("--storage-uri", default=None, help="where the run's tables are, if not OUTPUT_DIR/tables")
+    rep.add_argument("--plot", metavar="PATH", help="write the charts PNG here (default OUTPUT_DIR/curves.png)")
     eng = sub.add_parser("engine", help="serve the embedded rollout engine (SGLang's native HTTP API)")
     eng.add_argument("--model", required=True, help="zoo name or HF model directory")
     eng.add_argument("--host", default="127.0.0.1")
     eng.add_argument("--port", type=int, default=30000)
     eng.add_argument("--max-running-requests", type=int, default=64)
     eng.add_argument("--max-total-len", type=int, default=1024, help="prompt + response tokens per request")
-    eng.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    eng.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "auto"], default="float32",
+        help="auto: bfloat16 where this CPU computes it natively and faster (infra/precision.py), else float32",
+    )  # fmt: skip
     eng.add_argument("--weight-version", default="0")
     eng.add_argument("--seed", type=int, default=None, help="base seed for requests without sampling_seed")
     eng.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
@@ -173,6 +177,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise UserError("engine: --max-running-requests must be >= 1 and --max-total-len >= 2")
             if args.num_threads is not None and args.num_threads < 1:
                 raise UserError("engine: --num-threads must be >= 1")
+            if args.dtype == "auto":
+                from sluiceway.infra.precision import choose
+
+                choice = choose("auto")
+                print(f"engine precision: {choice.precision} ({choice.reason})", file=sys.stderr)
+                args.dtype = "bfloat16" if choice.bf16 else "float32"
             serve(
                 args.model,
                 host=args.host,
@@ -198,9 +208,18 @@ def main(argv: list[str] | None = None) -> int:
                   api_url=args.api_url, home=args.home, only=args.flow)  # fmt: skip
             return 0
         if args.command == "report":
-            from sluiceway.flows.report import render
+            from sluiceway.flows.report import render, write_curves
 
             print(render(args.output_dir, args.run_id, args.storage_uri), end="")
+            try:
+                png = write_curves(args.output_dir, args.run_id, args.storage_uri, args.plot)
+            except UserError as e:
+                if args.plot is not None:
+                    raise
+                print(f"warning: {e}", file=sys.stderr)  # a read-only run directory: the table is still printed
+                return 0
+            if png is not None:
+                print(f"charts: {png}", file=sys.stderr)
             return 0
         if args.command == "resume":
             from sluiceway.flows.resume import load_run_record
@@ -224,8 +243,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(command: str, cfg: RunConfig) -> int:
     """Run a flow command; the run record written first is what `sluiceway resume` replays."""
+    from sluiceway.flows.config import resolve_precision
+    from sluiceway.flows.preflight import preflight
     from sluiceway.flows.resume import RESUMABLE, save_run_record
+    from sluiceway.flows.run import configure_logging
 
+    configure_logging(cfg)
+    preflight(cfg, command)  # file mistakes are one line here, before engines or Prefect start
+    # Resolved before the run record is written: a resumed run keeps the precision it started with.
+    cfg = resolve_precision(cfg, announce=True)
     if command in RESUMABLE:
         save_run_record(cfg, command)
     if command == "sft":

@@ -7,6 +7,7 @@ is generated from these models (see ``flows/cli.py``).
 
 from __future__ import annotations
 
+import logging
 import re
 from datetime import datetime
 from pathlib import Path
@@ -16,6 +17,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
 from sluiceway.flows.errors import UserError
+
+log = logging.getLogger("sluiceway")
 
 
 class _Group(BaseModel):
@@ -259,12 +262,40 @@ class TrainingConfig(_Group):
         description="Train the samples of one prompt in one row: the prompt once, each response attending to it "
         "and to itself (same gradient, fewer tokens: GRPO's n samples pay for their prompt once).",
     )
-    bf16: bool = Field(False, description="bf16 autocast over fp32 master weights.")
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto",
+        description="Compute precision of the trainer, the engines and the published weights. bf16: bf16 compute "
+        "over fp32 master weights. auto: bf16 where the device computes it natively and faster than fp32 (on CPU "
+        "a short measured probe, cached per machine: infra/precision.py), else fp32.",
+    )
+    bf16: bool | None = Field(
+        None, description="slime's --bf16: the same as --precision bf16 (--no-bf16: fp32). Mirrors the precision."
+    )
     hf_checkpoint: str = Field(
         "tiny-llama", description="HF model directory, or a zoo name: 'smollm2-135m-instruct', 'tiny-llama'."
     )
     save_interval: int | None = Field(None, ge=1, description="Save a checkpoint every N rollout steps.")
     seed: int = Field(1234, description="Seed for sampling, data order and initialisation.")
+
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bf16_is_a_precision(cls, data):
+        """`bf16` (slime's flag) and `precision` are one setting: a given bf16 picks the precision, a concrete
+        precision sets bf16, and `auto` leaves bf16 unset until flows/config.py's resolve_precision."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        bf16, precision = data.get("bf16"), data.get("precision", "auto")
+        if isinstance(bf16, bool):
+            implied = "bf16" if bf16 else "fp32"
+            if precision not in ("auto", implied):
+                flag = "--bf16" if bf16 else "--no-bf16"
+                raise ValueError(f"{flag} contradicts precision {precision}: give one of them")
+            data["precision"] = precision = implied
+        if precision in ("bf16", "fp32"):
+            data["bf16"] = precision == "bf16"
+        return data
 
 
 class StorageSettings(_Group):
@@ -330,6 +361,15 @@ class EvalConfig(_Group):
         1, ge=1, description="Samples per evaluation prompt; pass@k is reported for k = 1, 2, 4, ... up to it."
     )
     eval_size: int = Field(32, ge=1, description="Prompts evaluated (taken from the head of the eval data).")
+    eval_temperature: float | None = Field(
+        None, ge=0.0, description="Sampling temperature of evaluation; 0 is greedy (default: rollout_temperature)."
+    )
+    eval_top_p: float | None = Field(
+        None, gt=0.0, le=1.0, description="Nucleus sampling threshold of evaluation (default: rollout_top_p)."
+    )
+    eval_max_response_len: int | None = Field(
+        None, ge=1, description="Maximum new tokens per evaluation response (default: rollout_max_response_len)."
+    )
 
 
 class ReplayConfig(_Group):
@@ -566,6 +606,25 @@ def load_yaml(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise UserError(f"{p}: expected a mapping of config groups at the top level")
     return data
+
+
+def resolve_precision(cfg: RunConfig, announce: bool = False) -> RunConfig:
+    """`cfg` with precision `auto` replaced by what this machine computes well (bf16 or fp32), logged in one line.
+
+    A concrete precision comes back as it is (logged when `announce`). Trainer, engines and published weight
+    versions all read the resolved `training.bf16`.
+    """
+    t = cfg.training
+    if t.precision != "auto":
+        if announce:
+            log.info("precision: %s (asked for)", t.precision)
+        return cfg
+    from sluiceway.infra.precision import choose  # imports torch: only when a run starts
+
+    choice = choose("auto", cfg.resources.device)
+    log.info("precision: %s (%s)", choice.precision, choice.reason)
+    training = t.model_copy(update={"precision": choice.precision, "bf16": choice.bf16})
+    return cfg.model_copy(update={"training": training})
 
 
 def validate_for(config: RunConfig | dict, command: str) -> RunConfig:

@@ -18,7 +18,7 @@ from prefect.cache_policies import NO_CACHE
 
 from sluiceway.flows import runtime
 from sluiceway.flows.artifacts import RunArtifacts
-from sluiceway.flows.config import RunConfig
+from sluiceway.flows.config import RunConfig, resolve_precision
 from sluiceway.flows.logging_backends import MetricLoggers
 from sluiceway.flows.retry import retry_transient
 from sluiceway.storage.metrics import append_metrics
@@ -245,7 +245,7 @@ def rl_flow(config: RunConfig) -> dict:
 
     Typed as the pydantic model so a deployment's parameter form in the Prefect UI is the run config.
     """
-    cfg = RunConfig.model_validate(config)
+    cfg = resolve_precision(RunConfig.model_validate(config))  # auto -> bf16/fp32 (a UI run starts here)
     rt = runtime.Runtime.create(cfg, runtime.take_prepared(cfg.run_id))
     runtime.register(rt)
     history = []

@@ -9,14 +9,18 @@ from sluiceway.flows.config import RunConfig
 from sluiceway.infra.prefect_env import configure_prefect, wait_for_api_server
 
 
+def configure_logging(cfg: RunConfig) -> None:
+    # Libraries (httpx, megatron) log at INFO; only sluiceway's own logger follows --log-level.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("sluiceway").setLevel(cfg.logging.log_level)
+
+
 def _configure(cfg: RunConfig, wait: bool = True) -> None:
     configure_prefect(cfg.storage.output_dir, wait=wait)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is fetched from a hub at run time
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    # Libraries (httpx, megatron) log at INFO; only sluiceway's own logger follows --log-level.
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("sluiceway").setLevel(cfg.logging.log_level)
+    configure_logging(cfg)
 
 
 def _start_engines_early(cfg: RunConfig):

@@ -24,7 +24,7 @@ import torch
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from sluiceway.flows.config import RunConfig
+from sluiceway.flows.config import RunConfig, resolve_precision
 from sluiceway.flows.errors import UserError
 from sluiceway.flows.runtime import dataset_table_name
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
@@ -171,7 +171,7 @@ def format_step(step: int, total: int, m: dict) -> str:
 @flow(name="sluiceway-sft", log_prints=False)
 def sft_flow(config: RunConfig) -> dict:
     """Fine-tune on `config`'s data file from its last checkpoint to the end (typed so the UI shows a form)."""
-    cfg = RunConfig.model_validate(config)
+    cfg = resolve_precision(RunConfig.model_validate(config))  # auto -> bf16/fp32 (a UI run starts here)
     prep = _PREPARED.pop(cfg.run_id, None) or prepare_sft(cfg)
     run = SftRun.create(cfg, prep)
     _RUNS[cfg.run_id] = run

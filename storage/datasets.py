@@ -59,6 +59,19 @@ def import_prompts(
     metadata_key: str = "metadata",
 ) -> DatasetInfo:
     """Validate a JSONL/Parquet prompt file and append it to the dataset table ``name``."""
+    rows, raw = check_prompt_file(path, input_key, label_key, metadata_key)
+    digest = hashlib.sha256(raw)
+    digest.update(json.dumps([input_key, label_key, metadata_key]).encode())
+    return _append(store, name, rows, app_id=f"dataset:{digest.hexdigest()}")
+
+
+def check_prompt_file(
+    path: str | Path, input_key: str = "input", label_key: str | None = "label", metadata_key: str = "metadata"
+) -> tuple[list[dict[str, Any]], bytes]:
+    """The rows of a JSONL/Parquet prompt file and its bytes; the first mistake is a UserError naming its line.
+
+    Needs no store: a run calls it before anything starts (flows/preflight.py), so a bad file costs a second.
+    """
     file = Path(path)
     shown = str(path)
     suffix = file.suffix.lower()
@@ -78,9 +91,7 @@ def import_prompts(
         _to_row(rec, where, f"{stem}:{pos}", i, str(file.resolve()), input_key, label_key, metadata_key)
         for i, (where, pos, rec) in enumerate(records)
     ]
-    digest = hashlib.sha256(raw)
-    digest.update(json.dumps([input_key, label_key, metadata_key]).encode())
-    return _append(store, name, rows, app_id=f"dataset:{digest.hexdigest()}")
+    return rows, raw
 
 
 def import_records(

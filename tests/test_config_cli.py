@@ -2,10 +2,12 @@
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
+from process_tags import new_tag, processes_tagged, tagged_env
 
 from sluiceway.flows.cli import field_flags, make_parser, resolve_config
 from sluiceway.flows.errors import UserError
@@ -108,37 +110,52 @@ def test_cli_unknown_flag(tmp_path):
     assert_one_line_error(sluiceway("run", "--rollout-batch-sise", "4", cwd=tmp_path), "--rollout-batch-sise")
 
 
-def engine_processes() -> set[int]:
-    import psutil
+def sluiceway_watched(*args, cwd) -> tuple[subprocess.CompletedProcess, set[int], float]:
+    """Run the CLI under a fresh tag; also return the pids of any process it started (seen by polling /proc
+    for the tag while it ran) and its wall time."""
+    tag = new_tag()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sluiceway.flows.cli", *args],
+        cwd=cwd, env=tagged_env(tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    started: set[int] = set()
+    while proc.poll() is None:
+        started |= set(processes_tagged(tag)) - {proc.pid}
+        time.sleep(0.01)
+    out, err = proc.communicate(timeout=300)
+    elapsed = time.perf_counter() - t0
+    started |= set(processes_tagged(tag)) - {proc.pid}  # anything still alive after it exited
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), started, elapsed
 
-    found = set()
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if "sluiceway.flows.cli engine" in cmd or "sglang_router.launch_router" in cmd:
-            found.add(p.pid)
-    return found
 
-
-def test_cli_missing_data_file(tmp_path, run_args):
-    before = engine_processes()
-    proc = sluiceway("run", "--prompt-data", "nope.jsonl", *run_args, cwd=tmp_path)
-    assert_one_line_error(proc, "nope.jsonl", "not found")
-    # The engines and the router start before the data is checked (flows/run.py); the error stops them.
-    assert engine_processes() - before == set()
-
-
-def test_cli_malformed_jsonl_line(tmp_path, run_args):
+@pytest.mark.parametrize(
+    "mistake",
+    ["missing data file", "malformed JSONL line", "missing label key", "bad flag", "missing eval file"],
+)
+def test_cli_mistakes_are_reported_before_anything_starts(tmp_path, run_args, mistake):
+    """Each mistake: exit 2, one line naming the file/line/flag, and no engine, router or Prefect server was
+    ever started for it (no process carrying the run's tag but the command itself)."""
     data = tmp_path / "prompts.jsonl"
-    data.write_text('{"input": "1+1?", "label": "2"}\n{"input": "2+2?", "label": \n')
-    proc = sluiceway("run", "--prompt-data", str(data), *run_args, cwd=tmp_path)
-    assert_one_line_error(proc, "prompts.jsonl", ":2")
-
-
-def test_cli_missing_label_key(tmp_path, run_args):
-    data = tmp_path / "prompts.jsonl"
-    data.write_text('{"input": "1+1?", "label": "2"}\n{"input": "2+2?", "answer": "4"}\n')
-    proc = sluiceway("run", "--prompt-data", str(data), *run_args, cwd=tmp_path)
-    assert_one_line_error(proc, "prompts.jsonl", ":2", "label")
+    data.write_text('{"input": "1+1?", "label": "2"}\n{"input": "2+2?", "label": "4"}\n')
+    argv, needles = {
+        "missing data file": (["--prompt-data", "nope.jsonl"], ["nope.jsonl", "not found"]),
+        "malformed JSONL line": (["--prompt-data", "bad.jsonl"], ["bad.jsonl:2", "malformed JSON"]),
+        "missing label key": (["--prompt-data", "nolabel.jsonl"], ["nolabel.jsonl:2", "label"]),
+        "bad flag": (["--prompt-data", str(data), "--rollout-batch-sise", "4"], ["--rollout-batch-sise"]),
+        "missing eval file": (
+            ["--prompt-data", str(data), "--eval-interval", "1", "--eval-prompt-data", "gone.jsonl"],
+            ["gone.jsonl", "not found"],
+        ),
+    }[mistake]
+    (tmp_path / "bad.jsonl").write_text('{"input": "1+1?", "label": "2"}\n{"input": "2+2?", "label": \n')
+    (tmp_path / "nolabel.jsonl").write_text('{"input": "1+1?", "label": "2"}\n{"input": "2+2?", "answer": "4"}\n')
+    proc, started, elapsed = sluiceway_watched("run", *argv, *run_args, cwd=tmp_path)
+    print(f"{mistake}: reported in {elapsed:.2f} s")  # the issue's target is under 3 s; not asserted
+    assert proc.returncode == 2
+    assert_one_line_error(proc, *needles)
+    assert started == set(), f"processes started before the mistake was reported: {started}"
+    assert not (tmp_path / "run" / "logs").exists()  # no engine or router ever wrote a log
 
 
 def test_configuration_reference_is_current():

@@ -16,6 +16,7 @@ import uuid
 
 import httpx
 import pytest
+from process_tags import processes_tagged
 from test_e2e_loop import BATCH, SCORER, N, run_cli
 
 from sluiceway.flows.errors import UserError
@@ -86,23 +87,6 @@ def test_sigkill_during_rollout_then_resume(tmp_path):
     time.sleep(1)
     leftovers = processes_tagged(tag)
     assert not leftovers, f"processes of the killed run still alive: {leftovers}"
-
-
-def processes_tagged(tag: str) -> list[int]:
-    """Live (not zombie) processes whose environment holds SLUICEWAY_TEST_TAG=tag."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if f"SLUICEWAY_TEST_TAG={tag}\0".encode() in f.read() + b"\0":
-                    with open(f"/proc/{entry}/stat") as s:
-                        if s.read().split(")")[-1].split()[0] != "Z":
-                            found.append(int(entry))
-        except OSError:
-            pass
-    return found
 
 
 def test_one_step_off_overlaps_rollout_and_training(tmp_path):

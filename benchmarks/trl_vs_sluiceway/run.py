@@ -143,7 +143,7 @@ def run_sluiceway(model: Path, prompts: Path, out: Path, a, bf16: bool) -> dict:
         "--rollout-temperature", "1.0", "--rollout-top-p", "1.0", "--advantage-estimator", "grpo",
         "--loss-agg-mode", "token_mean", "--eps-clip", "0.2", "--lr", str(a.lr), "--adam-beta2", "0.999",
         "--clip-grad", "1.0", "--seed", str(a.seed),
-    ] + (["--bf16"] if bf16 else []) + a.sluiceway_args.split()  # fmt: skip
+    ] + ["--precision", "bf16" if bf16 else "fp32"] + a.sluiceway_args.split()  # fmt: skip
     if out.exists():
         import shutil
 

@@ -1,0 +1,66 @@
+"""Mistakes in the files a config names, found before any engine, router or Prefect server starts.
+
+A run starts its engines and Prefect's server early so they load while the flow's imports run (flows/run.py);
+a missing or malformed data file found after that costs the user 25-50 s and leaves processes to stop. The
+checks here read only what the config names (prompt and eval files, environment specs, a model directory,
+plugin files) and import no torch, so a mistake is one line within about a second of the command.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from sluiceway.flows.config import RunConfig
+from sluiceway.flows.errors import UserError
+
+
+def check_data_source(source: str, input_key: str, label_key: str | None, metadata_key: str) -> None:
+    """A prompt file (every line parsed and its keys checked) or an `env:` spec."""
+    if source.startswith("env:"):
+        from sluiceway.tasks.environments import parse_spec
+
+        parse_spec(source)
+        return
+    from sluiceway.storage.datasets import check_prompt_file
+
+    check_prompt_file(source, input_key, label_key, metadata_key)
+
+
+def check_model(name_or_dir: str, weights_root_ok: bool = False) -> None:
+    """A path-like --hf-checkpoint must be a model directory (zoo names are resolved, and built, later);
+    `weights_root_ok`: a run's weights directory, whose newest version is the model (`sluiceway eval`)."""
+    p = Path(name_or_dir).expanduser()
+    if not (p.exists() or os.sep in name_or_dir or name_or_dir.startswith((".", "~"))):
+        return  # a zoo name, or a mistake the zoo names in its own error
+    if not p.is_dir():
+        raise UserError(f"--hf-checkpoint {name_or_dir}: no such model directory")
+    if not (p / "config.json").is_file() and not weights_root_ok:
+        raise UserError(f"--hf-checkpoint {name_or_dir}: not a model directory (no config.json)")
+
+
+def check_plugin_file(path: str | None, flag: str) -> None:
+    """'file.py:fn' must name an existing file ('module:fn' is imported later, where it is used)."""
+    if not path or ":" not in path:
+        return  # unset, or a built-in name (e.g. --dynamic-sampling-filter-path zero_std)
+    file, _, fn = path.rpartition(":")
+    if not file or not fn:
+        raise UserError(f"{flag} {path}: expected 'file.py:function' or 'module:function'")
+    if file.endswith(".py") and not Path(file).expanduser().is_file():
+        raise UserError(f"{flag} {path}: {file} not found")
+
+
+def preflight(cfg: RunConfig, command: str) -> None:
+    """Raise a UserError for the first mistake in what `cfg` names; `command` is run, sft, replay or eval."""
+    d = cfg.data
+    if command == "sft" and d.prompt_data:
+        check_data_source(d.prompt_data, d.input_key, d.response_key, d.metadata_key)
+    elif command == "run" and d.prompt_data:
+        check_data_source(d.prompt_data, d.input_key, d.label_key, d.metadata_key)
+    if command in ("run", "eval"):
+        for _, source in cfg.eval_sets:
+            check_data_source(source, d.input_key, d.label_key, d.metadata_key)
+    check_model(cfg.training.hf_checkpoint, weights_root_ok=command == "eval")
+    check_plugin_file(cfg.reward.custom_rm_path, "--custom-rm-path")
+    check_plugin_file(cfg.rollout.custom_generate_function_path, "--custom-generate-function-path")
+    check_plugin_file(cfg.rollout.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
