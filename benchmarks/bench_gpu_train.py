@@ -3,8 +3,8 @@ its config: nothing to download), GRPO steps of 64 samples x 256 tokens, fp32 an
 
     python benchmarks/bench_gpu_train.py          # on a CUDA machine (tests/gpu/run_on_device.sh sets one up)
 
-Prints tokens/s per dtype; results go to the section "Trainer on one GPU" of docs/benchmarks.md by hand (the
-GPU machine is not where the docs live).
+Prints the machine (`bench_doc.machine_line`: CPU, flags, GPU) and tokens/s per dtype; both go to the section
+"Trainer on one GPU" of docs/benchmarks.md by hand (the GPU machine is not where the docs live).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_doc import machine_line  # benchmarks/ is the script's own directory
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
@@ -48,7 +49,7 @@ def main() -> None:
         for f in tiny.iterdir():
             if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
                 shutil.copy(f, tmp)
-        print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+        print(f"Machine: {machine_line()}")  # GPU name and torch version included
         for bf16 in (False, True):
             for mb in (16, 64):
                 training = TrainingConfig(global_batch_size=64, micro_batch_size=mb, lr=1e-6, bf16=bf16,

@@ -36,7 +36,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import task  # noqa: E402
-from bench_doc import write_section  # noqa: E402
+from bench_doc import machine_line, with_machine, write_section  # noqa: E402
 
 TRL_VERSION = "1.16.0"
 TORCH_VERSION = "2.13.0"
@@ -259,10 +259,11 @@ def render_stored(a) -> None:
     results = {tuple(k.split("|")): v for k, v in stored.items()}
     a.steps, a.command = meta["steps"], last_command(a.work_dir)
     text = render(results, a, meta["started"], meta["finished"], tuple(meta["load"]))
+    machine = meta.get("machine", "not recorded with these results")  # the machine that measured, not this one
     if a.no_doc:
-        print(text)
+        print(with_machine(text, machine))
     else:
-        write_section(text, SECTION)
+        write_section(text, SECTION, machine=machine)
         print(f"wrote {SECTION!r} to docs/benchmarks.md from {a.work_dir}")
 
 
@@ -300,7 +301,7 @@ def main() -> None:
     py = ensure_trl_venv(a.trl_venv) if "trl" in frameworks else None
     a.work_dir.mkdir(parents=True, exist_ok=True)
     prompts = task.write_prompts(a.work_dir / "prompts.jsonl", 8 * a.steps, a.seed)
-    started, load_before = time.time(), load()
+    started, load_before, machine = time.time(), load(), machine_line()
     results: dict[tuple[str, str], dict] = {}
     if a.add_to_last:
         last = json.loads((a.work_dir / "results.json").read_text())
@@ -328,12 +329,13 @@ def main() -> None:
             finished, load_after = time.time(), load()
             text = render(results, a, started, finished, (load_before, load_after))
             (a.work_dir / "results.json").write_text(json.dumps({"|".join(k): v for k, v in results.items()}))
-            meta = {"started": started, "finished": finished, "load": [load_before, load_after], "steps": a.steps}
+            meta = {"started": started, "finished": finished, "load": [load_before, load_after], "steps": a.steps,
+                    "machine": machine}  # fmt: skip
             (a.work_dir / "meta.json").write_text(json.dumps(meta))
             (a.work_dir / "command.txt").write_text(a.command)
             if not a.no_doc:
-                write_section(text, SECTION)
-    print(text if a.no_doc else f"wrote {SECTION!r} to docs/benchmarks.md", flush=True)
+                write_section(text, SECTION, machine=machine)
+    print(with_machine(text, machine) if a.no_doc else f"wrote {SECTION!r} to docs/benchmarks.md", flush=True)
 
 
 if __name__ == "__main__":
