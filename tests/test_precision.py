@@ -1,0 +1,81 @@
+"""Precision: `auto` picks bf16 only where this CPU computes it natively and faster; explicit choices win."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sluiceway.flows.cli import make_parser, resolve_config
+from sluiceway.flows.config import TrainingConfig, resolve_precision
+from sluiceway.flows.errors import UserError
+from sluiceway.infra import precision
+
+AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def cfg_from(argv):
+    return resolve_config(make_parser().parse_args(argv))
+
+
+def test_bf16_flag_and_precision_are_one_setting():
+    assert TrainingConfig().precision == "auto" and TrainingConfig().bf16 is None
+    assert (TrainingConfig(bf16=True).precision, TrainingConfig(bf16=False).precision) == ("bf16", "fp32")
+    assert TrainingConfig(precision="bf16").bf16 is True and TrainingConfig(precision="fp32").bf16 is False
+    assert TrainingConfig(precision="bf16", bf16=True).bf16 is True
+    # A dumped, resolved config (what the Prefect flow receives) validates back to itself.
+    t = TrainingConfig(precision="fp32")
+    assert TrainingConfig.model_validate(t.model_dump(mode="json")) == t
+
+
+def test_contradicting_flags_are_one_error_line():
+    with pytest.raises(UserError, match="--bf16 contradicts precision fp32"):
+        cfg_from(["run", "--prompt-data", "env:arithmetic", "--bf16", "--precision", "fp32"])
+
+
+def test_explicit_precision_is_kept(monkeypatch):
+    def no_probe(*a, **k):
+        raise AssertionError("an explicit precision needs no probe")
+
+    monkeypatch.setattr(precision, "probe_cpu", no_probe)
+    for flag, want in (["--bf16"], True), (["--no-bf16"], False), (["--precision", "bf16"], True):
+        cfg = resolve_precision(cfg_from(["run", "--prompt-data", "env:arithmetic", *flag]))
+        assert cfg.training.bf16 is want
+
+
+@pytest.mark.parametrize(
+    ("bf16_gflops", "want"), [(800.0, "bf16"), (250.0, "bf16"), (210.0, "fp32"), (2.8, "fp32")]
+)
+def test_auto_follows_the_measured_rates(monkeypatch, bf16_gflops, want):
+    monkeypatch.setattr(precision, "probe_cpu", lambda refresh=False: precision.CpuProbe(200.0, bf16_gflops, 2))
+    cfg = resolve_precision(cfg_from(["run", "--prompt-data", "env:arithmetic"]))
+    assert cfg.training.precision == want and cfg.training.bf16 is (want == "bf16")
+    assert precision.choose("auto").reason.startswith("auto: ")
+
+
+def test_probe_is_cached_per_machine_and_isa_limits(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLUICEWAY_CACHE", str(tmp_path))
+    for k in precision.ISA_VARIABLES:
+        monkeypatch.delenv(k, raising=False)
+    first = precision.probe_cpu()
+    assert first.fp32_gflops > 0 and first.bf16_gflops > 0
+    files = list((tmp_path / "precision").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["threads"] == first.threads
+    files[0].write_text(json.dumps({"fp32_gflops": 1.0, "bf16_gflops": 9.0, "threads": first.threads}))
+    assert precision.probe_cpu().speedup == 9.0  # read back, not measured again
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # other kernels: another cache entry
+    precision.probe_cpu()
+    assert len(list((tmp_path / "precision").glob("*.json"))) == 2
+
+
+def test_auto_is_fp32_where_bf16_is_emulated(tmp_path):
+    """Under torch's and oneDNN's AVX2 code paths (an AVX2-only CPU, or one made to act as such) bf16 matrix
+    products are emulated: auto must not pick bf16 there."""
+    code = "from sluiceway.infra.precision import choose; c = choose('auto'); print(c.precision); print(c.reason)"
+    env = dict(os.environ) | AVX2_ONLY | {"SLUICEWAY_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    chosen, reason = out.splitlines()
+    print(reason)
+    assert chosen == "fp32", reason
+    assert "ONEDNN_MAX_CPU_ISA=AVX2" in reason
