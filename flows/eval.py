@@ -6,8 +6,9 @@
 The model is a zoo name, an HF model directory, or a run's published weights: `OUTPUT_DIR/weights/vNNNNNN`, or
 `OUTPUT_DIR/weights` for its newest version. The eval sets, seeds and scoring are those of the RL flow's evaluate
 stage (tasks/evaluate/evaluate.py, the same prompts: seed + 1, first eval_size), so the numbers compare with a
-run's own `eval after N steps`. Metrics are stored at the weights' version (0 for a model that is no run's
-weights) under this run's id.
+run's own `eval after N steps`; --eval-temperature, --eval-top-p and --eval-max-response-len override the
+rollout's sampling (temperature 0: greedy). Metrics, and every sample in the evals table (storage/evals.py), are
+stored at the weights' version (0 for a model that is no run's weights) under this run's id.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ from prefect.cache_policies import NO_CACHE
 from sluiceway.flows.config import RunConfig, resolve_precision, validate_for
 from sluiceway.flows.engines import RolloutEngines
 from sluiceway.flows.errors import UserError
-from sluiceway.flows.runtime import build_reward_settings, build_rollout_settings, load_eval_prompts
+from sluiceway.flows.runtime import (
+    build_reward_settings,
+    build_rollout_settings,
+    eval_rollout_settings,
+    load_eval_prompts,
+)
 from sluiceway.infra.sglang_launcher import require_sglang
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.storage.metrics import append_metrics
@@ -69,7 +75,7 @@ def prepare_eval(cfg: RunConfig) -> EvalPrepared:
     empty = [name for name, items in prompts.items() if not items]
     if empty:
         raise UserError(f"--eval-prompt-data: set {empty[0]!r} has no prompts")
-    settings = build_rollout_settings(cfg, tokenizer, hf_dir)
+    settings = eval_rollout_settings(cfg, build_rollout_settings(cfg, tokenizer, hf_dir))
     return EvalPrepared(store, hf_dir, version, tokenizer, prompts, rewards, settings)
 
 
@@ -105,6 +111,9 @@ def eval_set_task(run_id: str, name: str) -> dict:
             tag=f"{run_id}/{p.version}/{name}",
             decode=run.decode,
             name=name,
+            store=p.store,  # the samples go to the evals table
+            run_id=run_id,
+            step=p.version,
         )
     )
 

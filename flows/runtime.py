@@ -7,6 +7,7 @@ is in the tables or the run directory, which is what a restarted run resumes fro
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -145,6 +146,18 @@ def build_rollout_settings(cfg: RunConfig, tokenizer, hf_dir: Path) -> RolloutSe
         custom_generate=load_custom_generate(r.custom_generate_function_path) if r.custom_generate_function_path
         else None, tokenizer=tokenizer,
     )  # fmt: skip
+
+
+def eval_rollout_settings(cfg: RunConfig, settings: RolloutSettings) -> RolloutSettings:
+    """The rollout's settings with the eval group's sampling overrides (None keeps the rollout's value)."""
+    e, s = cfg.eval, settings
+    # `is None`, never `or`: temperature 0.0 (greedy) is a setting, not "unset".
+    return dataclasses.replace(
+        s,
+        temperature=s.temperature if e.eval_temperature is None else e.eval_temperature,
+        top_p=s.top_p if e.eval_top_p is None else e.eval_top_p,
+        max_new_tokens=s.max_new_tokens if e.eval_max_response_len is None else e.eval_max_response_len,
+    )
 
 
 def load_eval_prompts(cfg: RunConfig, store: ObjectStore, tokenizer) -> dict[str, list[PromptItem]]:

@@ -13,6 +13,7 @@ import torch
 
 from sluiceway.models.hf_megatron import hf_to_megatron
 from sluiceway.models.zoo import load_hf_model, resolve_checkpoint
+from sluiceway.storage.evals import read_evals
 from sluiceway.storage.metrics import read_metrics
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.trajectories import TRAJECTORY_SCHEMA, read_trajectories
@@ -83,6 +84,10 @@ def finished_run(tmp_path_factory):
         "4",
         "--n-samples-per-eval-prompt",
         "2",
+        "--eval-temperature",  # greedy evaluation, shorter than the rollout's responses
+        "0",
+        "--eval-max-response-len",
+        "6",
     )
     return run_dir, cache, proc
 
@@ -129,6 +134,28 @@ def test_evaluation_before_and_after_training(finished_run):
     evals = {r["step"]: r["value"] for r in m if r["name"] == "eval/arith/pass@2"}
     assert set(evals) == {0, 2} and all(0.0 <= v <= 1.0 for v in evals.values())
     assert {r["value"] for r in m if r["name"] == "eval/arith/prompts"} == {4.0}
+
+
+def test_evaluation_samples_are_in_the_evals_table(finished_run):
+    run_dir, _, _ = finished_run
+    store = ObjectStore.from_uri(str(run_dir / "tables"))
+    rows = read_evals(store, "run").to_pylist()
+    assert [(r["step"], r["prompt_index"], r["sample_index"]) for r in rows] == [
+        (step, g, i) for step in (0, 2) for g in range(4) for i in range(2)
+    ]
+    # The eval's own sampling settings, not the rollout's (temperature 1.0, 8 tokens).
+    assert {(r["temperature"], r["top_p"], r["max_new_tokens"]) for r in rows} == {(0.0, 1.0, 6)}
+    assert all(len(r["response_token_ids"]) <= 6 and r["eval_set"] == "arith" for r in rows)
+    assert {(r["step"], r["weight_version"]) for r in rows} == {(0, 0), (2, 2)}  # evaluated after 0 and 2 steps
+    for step in (0, 2):
+        answers = [r["response_token_ids"] for r in rows if r["step"] == step]
+        assert answers[0::2] == answers[1::2]  # greedy: a prompt's two samples agree
+    m = read_metrics(store, "run").to_pylist()
+    for step in (0, 2):
+        stored = [r["reward"] for r in rows if r["step"] == step]
+        [mean] = [r["value"] for r in m if r["name"] == "eval/arith/reward_mean" and r["step"] == step]
+        assert mean == pytest.approx(sum(stored) / len(stored))
+    assert pl.read_delta(str(run_dir / "tables" / "evals")).height == len(rows)
 
 
 def test_policy_weights_changed(finished_run):
