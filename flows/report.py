@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 from sluiceway.flows.errors import UserError
+from sluiceway.flows.report_evals import eval_samples_section
 from sluiceway.storage.metrics import metrics_frame
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.tables import table_exists
@@ -45,4 +46,5 @@ def render(run_dir: str | Path, run_id: str | None = None, storage_uri: str | No
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append("Training rows are indexed by the step they trained; eval rows by the number of steps trained.")
+    lines += eval_samples_section(store, run_id)
     return "\n".join(lines) + "\n"

@@ -155,21 +155,25 @@ def sync_task(run_id: str, step: int) -> dict:
 
 @task(name="evaluate", cache_policy=NO_CACHE, persist_result=False)
 def eval_task(run_id: str, trained_steps: int) -> dict:
-    """Evaluate the weights after `trained_steps` steps; stored under that step with tag 'eval'."""
+    """Evaluate the weights after `trained_steps` steps; metrics (tag 'eval') and samples stored under that step."""
     rt = runtime.get(run_id)
     c = rt.cfg
+    settings = runtime.eval_rollout_settings(c, rt.settings)
     m: dict[str, float] = {}
     for name, prompts in rt.prep.eval_prompts.items():
         m |= rt.engines.run(
             evaluate(
                 client=rt.engines.client,
                 prompts=prompts,
-                settings=rt.settings,
+                settings=settings,
                 reward_settings=rt.rewards,
                 n_samples=c.eval.n_samples_per_eval_prompt,
                 tag=f"{run_id}/{trained_steps}/{name}",
                 decode=rt.decode,
                 name=name,
+                store=rt.store,  # the samples go to the evals table
+                run_id=run_id,
+                step=trained_steps,
             )
         )
     append_metrics(rt.store, run_id, trained_steps, m, tag="eval")
