@@ -2,22 +2,29 @@
 
 - ``<key>-progress``: steps done out of the run's total, updated after each rollout and each step;
 - ``<key>-metrics``: the per-step metrics table (train and eval rows, read back from the metrics table);
-- ``<key>-curves``: reward, KL, response length and loss as sparklines with first/last/min/max;
+- ``<key>-curves``: the run's charts (reward, KL, response length, loss, entropy, grad norm, evals) as a PNG
+  embedded in the markdown (a ``data:image/png;base64`` URI, which both Prefect UIs render), and the same
+  curves as sparklines with first/last/min/max; the PNG is also written to ``OUTPUT_DIR/curves.png``;
 - ``<key>-storage``: where the run's tables, checkpoints and TensorBoard files live.
 
 ``<key>`` is ``sluiceway-<run id>`` in the characters Prefect allows. Nothing here holds credentials: S3
 credentials come from the environment and never enter the config; URLs are shown without user info.
-Artifacts are a report: a failure to write one is logged and never fails the run.
+Artifacts are a report: a failure to write one is logged and never fails the run. The metrics table and the
+curves are refreshed after a step at most every ``REFRESH_EVERY_S`` seconds (reading the metrics table and
+drawing the charts take a few tenths of a second), and always at the end of the run.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
+import time
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from sluiceway.flows.charts import CURVES_PNG
 from sluiceway.flows.config import RunConfig
 from sluiceway.flows.report import BARS, COLUMNS
 
@@ -28,6 +35,7 @@ CURVES = [
     ("train/loss", "loss"), ("train/entropy", "entropy"), ("train/grad_norm", "grad norm"),
 ]  # fmt: skip
 TABLE_EXTRA = [("train/kl", "kl"), ("weight_version", "weight version")]
+REFRESH_EVERY_S = 60.0
 
 
 def artifact_key(run_id: str) -> str:
@@ -75,9 +83,14 @@ def metrics_rows(frame) -> list[dict]:
     return rows
 
 
-def curves_markdown(run_id: str, frame) -> str:
+def curves_markdown(run_id: str, frame, png: bytes | None = None) -> str:
+    """Sparklines of the curves, under the charts when `png` (from :func:`charts.png_bytes`) is given."""
     train = frame[frame["reward_mean"].notna()] if "reward_mean" in frame else frame.iloc[0:0]
     lines = [f"### Run `{run_id}`: {len(train)} training steps", ""]
+    if png:
+        from sluiceway.flows.charts import data_uri
+
+        lines += [f"![curves of run {run_id}]({data_uri(png)})", ""]
     if not len(train):
         return "\n".join(lines + ["No training steps yet."]) + "\n"
     lines += ["| metric | curve | first | last | min | max |", "| --- | --- | ---: | ---: | ---: | ---: |"]
@@ -109,6 +122,7 @@ def storage_markdown(cfg: RunConfig) -> str:
         f"| run directory | `{run_dir}` |",
         f"| checkpoint | `{run_dir / 'checkpoints' / 'latest.pt'}` |",
         f"| TensorBoard | `{tensorboard_dir(cfg)}` |",
+        f"| charts (PNG) | `{run_dir / CURVES_PNG}` |",
     ]
     if cfg.storage.s3_endpoint_url:
         lines.append(f"| S3 endpoint | `{strip_userinfo(cfg.storage.s3_endpoint_url)}` |")
@@ -130,6 +144,9 @@ class RunArtifacts:
         self.key = artifact_key(cfg.run_id)
         self.total = max(total_steps, 1)
         self._progress_id = None
+        self._metrics_id = None
+        self._curves_id = None
+        self._refreshed = -math.inf  # time.monotonic() of the last refresh of the metrics and curves
 
     def _try(self, what: str, fn, *args, **kwargs):
         try:
@@ -167,26 +184,54 @@ class RunArtifacts:
 
         self._try("progress", update_progress_artifact, self._progress_id, self._pct(done_steps))
 
+    def step_done(self, store) -> None:
+        """After a step: refresh the metrics table and the curves unless they were refreshed recently."""
+        if time.monotonic() - self._refreshed >= REFRESH_EVERY_S:
+            self.finish(store)
+
     def finish(self, store) -> None:
-        """The metrics table and the curves, read back from the metrics table (resumed steps included)."""
+        """The metrics table and the curves, read back from the metrics table (resumed steps included).
+
+        The first call creates the two artifacts; later calls update them in place (as the progress artifact
+        is), so the flow run shows one of each however often they were refreshed.
+        """
         from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+        from sluiceway.flows import charts
         from sluiceway.storage.metrics import metrics_frame
 
+        self._refreshed = time.monotonic()
         frame = self._try("metrics", metrics_frame, store, self.cfg.run_id)
         if frame is None or frame.empty:
             return
-        self._try(
-            "metrics",
-            create_table_artifact,
-            table=metrics_rows(frame),
-            key=f"{self.key}-metrics",
-            description=f"Per-step metrics of run {self.cfg.run_id} (train rows by step, eval rows by steps trained).",
-        )
-        self._try(
-            "curves",
-            create_markdown_artifact,
-            markdown=curves_markdown(self.cfg.run_id, frame),
-            key=f"{self.key}-curves",
-            description=f"Reward, KL and length curves of run {self.cfg.run_id}.",
-        )
+        png = self._try("curves", charts.png_bytes, frame, f"run {self.cfg.run_id}")
+        if png:
+            self._try("curves", charts.write_png, png, Path(self.cfg.storage.output_dir) / CURVES_PNG)
+        rows = metrics_rows(frame)
+        desc = f"Per-step metrics of run {self.cfg.run_id} (train rows by step, eval rows by steps trained)."
+        if self._metrics_id is None or not self._try("metrics", _update_artifact, self._metrics_id, json.dumps(rows)):
+            self._metrics_id = self._try(
+                "metrics",
+                create_table_artifact,
+                table=rows,
+                key=f"{self.key}-metrics",
+                description=desc,
+            )
+        md = curves_markdown(self.cfg.run_id, frame, png)
+        if self._curves_id is None or not self._try("curves", _update_artifact, self._curves_id, md):
+            self._curves_id = self._try(
+                "curves",
+                create_markdown_artifact,
+                markdown=md,
+                key=f"{self.key}-curves",
+                description=f"Charts and curves of run {self.cfg.run_id}: reward, KL, length, loss, evaluations.",
+            )
+
+
+def _update_artifact(artifact_id, data: str) -> bool:
+    """Replace an artifact's data (a table artifact's data is its rows as JSON, a markdown one's the text)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import ArtifactUpdate
+
+    get_client(sync_client=True).update_artifact(artifact_id=artifact_id, artifact=ArtifactUpdate(data=data))
+    return True

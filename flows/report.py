@@ -1,4 +1,5 @@
-"""`sluiceway report OUTPUT_DIR`: a run's per-step metrics as a markdown table, read from its metrics table."""
+"""`sluiceway report OUTPUT_DIR`: a run's per-step metrics as a markdown table, read from its metrics table,
+and its charts as `OUTPUT_DIR/curves.png` (or `--plot PATH`)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def sparkline(values: list[float]) -> str:
     return "".join(BARS[1 + round((v - lo) / (hi - lo) * 7)] if hi > lo else BARS[4] for v in values)
 
 
-def render(run_dir: str | Path, run_id: str | None = None, storage_uri: str | None = None) -> str:
+def load_metrics(run_dir: str | Path, run_id: str | None = None, storage_uri: str | None = None):
+    """(store, run id, wide metrics frame) of the run in `run_dir`; a UserError when it has no metrics."""
     run_dir = Path(run_dir)
     store = ObjectStore.from_uri(storage_uri or str(run_dir / "tables"))
     if not table_exists(store, "metrics"):
@@ -33,6 +35,28 @@ def render(run_dir: str | Path, run_id: str | None = None, storage_uri: str | No
     frame = metrics_frame(store, run_id)
     if frame.empty:
         raise UserError(f"{run_dir}: no metrics for run '{run_id}'")
+    return store, run_id, frame
+
+
+def write_curves(
+    run_dir: str | Path, run_id: str | None = None, storage_uri: str | None = None, path: str | Path | None = None
+) -> Path | None:
+    """Draw the run's charts (flows/charts.py) to `path`, default `run_dir/curves.png`; None if nothing to plot."""
+    from sluiceway.flows import charts
+
+    _, run_id, frame = load_metrics(run_dir, run_id, storage_uri)
+    png = charts.png_bytes(frame, f"run {run_id}")
+    if png is None:
+        return None
+    target = Path(path) if path is not None else Path(run_dir) / charts.CURVES_PNG
+    try:
+        return charts.write_png(png, target)
+    except OSError as e:
+        raise UserError(f"{target}: cannot write the charts ({e.strerror or e}); pick another --plot PATH") from None
+
+
+def render(run_dir: str | Path, run_id: str | None = None, storage_uri: str | None = None) -> str:
+    store, run_id, frame = load_metrics(run_dir, run_id, storage_uri)
     lines = [f"Run `{run_id}`: {len(frame)} steps.", ""]
     train = frame[frame["reward_mean"].notna()] if "reward_mean" in frame else frame.iloc[0:0]
     if len(train):

@@ -298,6 +298,7 @@ def rl_flow(config: RunConfig) -> dict:
             if interval and ((step + 1) % interval == 0 or step + 1 == total):
                 stages.wait_in_flight()  # evaluation shares the engines; let generation settle first
                 loggers.log(step + 1, eval_task(cfg.run_id, step + 1))
+            arts.step_done(rt.store)  # metrics table and curves (curves.png), at most every minute
     finally:
         arts.finish(rt.store)
         if loggers is not None:

@@ -121,6 +121,17 @@ def test_trigger_the_rl_deployment_from_the_ui_and_find_its_artifacts(tmp_path):
                 page.wait_for_url("**/artifacts/artifact/**")
                 expect(page.get_by_role("columnheader", name="reward", exact=True)).to_be_visible()
                 _shot(page, tmp_path, "ui-metrics-artifact.png")
+                # The curves artifact: its chart is a data:image/png in the markdown, and the UI shows it.
+                page.goto(server.url + "/runs")
+                page.get_by_role("link", name="ui-form-run").first.click()
+                page.wait_for_url(f"**/runs/flow-run/{run['id']}**")
+                page.get_by_text("Artifacts", exact=True).first.click()
+                page.get_by_text("sluiceway-run-curves", exact=True).click()
+                page.wait_for_url("**/artifacts/artifact/**")
+                chart = page.locator('img[src^="data:image/png"]').first
+                expect(chart).to_be_visible()
+                assert chart.evaluate("e => e.complete && e.naturalWidth") > 0  # the PNG decoded
+                _shot(page, tmp_path, "ui-curves-artifact.png")
                 browser.close()
         finally:
             stop(serve)
