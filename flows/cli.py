@@ -250,8 +250,9 @@ def _dispatch(command: str, cfg: RunConfig) -> int:
 
     configure_logging(cfg)
     preflight(cfg, command)  # file mistakes are one line here, before engines or Prefect start
-    # Resolved before the run record is written: a resumed run keeps the precision it started with.
-    cfg = resolve_precision(cfg, announce=True)
+    # Resolved before the run record is written (a resumed run keeps the precision it started with) and before
+    # the engines start; the flow logs the choice once everything is checked.
+    cfg = resolve_precision(cfg, announce=False)
     if command in RESUMABLE:
         save_run_record(cfg, command)
     if command == "sft":

@@ -79,3 +79,15 @@ def test_auto_is_fp32_where_bf16_is_emulated(tmp_path):
     print(reason)
     assert chosen == "fp32", reason
     assert "ONEDNN_MAX_CPU_ISA=AVX2" in reason
+
+
+def test_the_choice_is_one_log_line_when_the_flow_starts(monkeypatch, caplog):
+    """The CLI resolves `auto` silently (a data mistake found after it must stay the only line); the flow logs
+    why, once."""
+    monkeypatch.setattr(precision, "probe_cpu", lambda refresh=False: precision.CpuProbe(200.0, 2.8, 2))
+    cfg = resolve_precision(cfg_from(["run", "--prompt-data", "env:arithmetic"]), announce=False)
+    assert cfg.training.precision == "fp32" and not caplog.records
+    with caplog.at_level("INFO", logger="sluiceway"):
+        resolve_precision(cfg)  # the flow, with the already resolved config
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("precision: fp32 (auto: bf16 matrix products run at 0.01x")
