@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from sluiceway.flows.errors import UserError
+from sluiceway.infra.errors import UserError
 
 
 def add_parser(sub) -> None:

@@ -30,7 +30,7 @@ import yaml
 
 from sluiceway.flows.ckpt import add_parser as add_ckpt_parser
 from sluiceway.flows.config import RunConfig, build_config, load_yaml
-from sluiceway.flows.errors import UserError
+from sluiceway.infra.errors import UserError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(command: str, cfg: RunConfig) -> int:
     """Run a flow command; the run record written first is what `sluiceway resume` replays."""
-    from sluiceway.flows.config import resolve_precision
+    from sluiceway.flows.precision import resolve_precision
     from sluiceway.flows.preflight import preflight
     from sluiceway.flows.resume import RESUMABLE, save_run_record
     from sluiceway.flows.run import configure_logging

@@ -7,7 +7,6 @@ is generated from these models (see ``flows/cli.py``).
 
 from __future__ import annotations
 
-import logging
 import re
 from datetime import datetime
 from pathlib import Path
@@ -16,9 +15,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
-from sluiceway.flows.errors import UserError
-
-log = logging.getLogger("sluiceway")
+from sluiceway.infra.errors import UserError
 
 
 class _Group(BaseModel):
@@ -282,7 +279,7 @@ class TrainingConfig(_Group):
     @classmethod
     def _bf16_is_a_precision(cls, data):
         """`bf16` (slime's flag) and `precision` are one setting: a given bf16 picks the precision, a concrete
-        precision sets bf16, and `auto` leaves bf16 unset until flows/config.py's resolve_precision."""
+        precision sets bf16, and `auto` leaves bf16 unset until flows/precision.py's resolve_precision."""
         if not isinstance(data, dict):
             return data
         data = dict(data)
@@ -606,31 +603,6 @@ def load_yaml(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise UserError(f"{p}: expected a mapping of config groups at the top level")
     return data
-
-
-# Why a run computes in what it does, by run id: found when the CLI resolves `auto` (before it checks the data, so
-# that engines started early load in the right dtype) and logged when the flow starts, after every check passed,
-# so a user's mistake stays the only line printed.
-_PRECISION_NOTES: dict[str, str] = {}
-
-
-def resolve_precision(cfg: RunConfig, announce: bool = True) -> RunConfig:
-    """`cfg` with precision `auto` replaced by what this machine computes well (bf16 or fp32).
-
-    `announce` logs one line saying what was chosen and why. Trainer, engines and published weight versions all
-    read the resolved `training.bf16`.
-    """
-    t = cfg.training
-    if t.precision == "auto":
-        from sluiceway.infra.precision import choose  # imports torch: only when a run starts
-
-        choice = choose("auto", cfg.resources.device)
-        _PRECISION_NOTES[cfg.run_id] = f"precision: {choice.precision} ({choice.reason})"
-        training = t.model_copy(update={"precision": choice.precision, "bf16": choice.bf16})
-        cfg = cfg.model_copy(update={"training": training})
-    if announce:
-        log.info(_PRECISION_NOTES.pop(cfg.run_id, f"precision: {cfg.training.precision} (asked for)"))
-    return cfg
 
 
 def validate_for(config: RunConfig | dict, command: str) -> RunConfig:

@@ -26,7 +26,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from sluiceway.flows.errors import UserError
+from sluiceway.infra.errors import UserError
 
 DEFAULT_PORT = 4200
 DEFAULT_HOME = Path(".sluiceway") / "prefect"

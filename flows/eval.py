@@ -21,15 +21,16 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from sluiceway.flows.config import RunConfig, resolve_precision, validate_for
+from sluiceway.flows.config import RunConfig, validate_for
 from sluiceway.flows.engines import RolloutEngines
-from sluiceway.flows.errors import UserError
+from sluiceway.flows.precision import resolve_precision
 from sluiceway.flows.runtime import (
     build_reward_settings,
     build_rollout_settings,
     eval_rollout_settings,
     load_eval_prompts,
 )
+from sluiceway.infra.errors import UserError
 from sluiceway.infra.sglang_launcher import require_sglang
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.storage.metrics import append_metrics

@@ -14,7 +14,7 @@ import struct
 from pathlib import Path
 
 from sluiceway.flows.config import RunConfig
-from sluiceway.flows.errors import UserError
+from sluiceway.infra.errors import UserError
 
 
 def tensorboard_dir(cfg: RunConfig) -> Path:

@@ -24,7 +24,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sluiceway.flows.config import format_validation_error
-from sluiceway.flows.errors import UserError
+from sluiceway.infra.errors import UserError
 from sluiceway.infra.pool import EnginePool
 from sluiceway.infra.pool_agent import PoolAgent
 from sluiceway.infra.router import SGLangRouter

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from sluiceway.flows.config import RunConfig
-from sluiceway.flows.errors import UserError
+from sluiceway.infra.errors import UserError
 
 
 def check_data_source(source: str, input_key: str, label_key: str | None, metadata_key: str) -> None:

@@ -35,8 +35,9 @@ import torch
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from sluiceway.flows.config import RunConfig, resolve_precision, validate_for
-from sluiceway.flows.errors import UserError
+from sluiceway.flows.config import RunConfig, validate_for
+from sluiceway.flows.precision import resolve_precision
+from sluiceway.infra.errors import UserError
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.storage.metrics import append_metrics
 from sluiceway.storage.object_store import ObjectStore

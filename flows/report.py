@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from sluiceway.flows.errors import UserError
 from sluiceway.flows.report_evals import eval_samples_section
+from sluiceway.infra.errors import UserError
 from sluiceway.storage.metrics import metrics_frame
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.tables import table_exists

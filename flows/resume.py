@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from sluiceway.flows.config import RunConfig, build_config
-from sluiceway.flows.errors import UserError
+from sluiceway.infra.errors import UserError
 
 RECORD = "sluiceway-run.yaml"
 RESUMABLE = ("run", "sft", "replay")

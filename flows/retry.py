@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 
-from sluiceway.flows.errors import UserError
+from sluiceway.infra.errors import UserError
 
 # Failures of the environment rather than of the inputs.
 _TRANSIENT: tuple[type[BaseException], ...] = (httpx.TransportError, ConnectionError, TimeoutError)

@@ -18,8 +18,9 @@ from prefect.cache_policies import NO_CACHE
 
 from sluiceway.flows import runtime
 from sluiceway.flows.artifacts import RunArtifacts
-from sluiceway.flows.config import RunConfig, resolve_precision
+from sluiceway.flows.config import RunConfig
 from sluiceway.flows.logging_backends import MetricLoggers
+from sluiceway.flows.precision import resolve_precision
 from sluiceway.flows.retry import retry_transient
 from sluiceway.storage.metrics import append_metrics
 from sluiceway.storage.stages import finished_stage, record_stage

@@ -21,7 +21,7 @@ import torch
 from sluiceway.flows.config import RunConfig
 from sluiceway.flows.console import ProgressLine
 from sluiceway.flows.engines import RolloutEngines
-from sluiceway.flows.errors import UserError
+from sluiceway.infra.errors import UserError
 from sluiceway.infra.sglang_launcher import require_sglang
 from sluiceway.models.chat import encode_prompt, render_prompt
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint

@@ -24,9 +24,10 @@ import torch
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from sluiceway.flows.config import RunConfig, resolve_precision
-from sluiceway.flows.errors import UserError
+from sluiceway.flows.config import RunConfig
+from sluiceway.flows.precision import resolve_precision
 from sluiceway.flows.runtime import dataset_table_name
+from sluiceway.infra.errors import UserError
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.storage.datasets import import_prompts, load_prompts
 from sluiceway.storage.metrics import append_metrics

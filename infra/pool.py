@@ -27,8 +27,8 @@ from typing import Self
 
 import httpx
 
-from sluiceway.infra.proc import die_with_parent
-from sluiceway.infra.router import HOST, SGLangRouter, free_port, log_tail, stop_process_group
+from sluiceway.infra.proc import die_with_parent, free_port
+from sluiceway.infra.router import HOST, SGLangRouter, log_tail, stop_process_group
 
 
 class PoolError(RuntimeError):

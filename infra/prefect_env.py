@@ -23,8 +23,8 @@ from pathlib import Path
 import httpx
 
 from sluiceway.infra.cache import cache_root
-from sluiceway.infra.proc import die_with_parent
-from sluiceway.infra.router import free_port, stop_process_group
+from sluiceway.infra.proc import die_with_parent, free_port
+from sluiceway.infra.router import stop_process_group
 
 START_TIMEOUT_S = 180.0
 

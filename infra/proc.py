@@ -4,15 +4,19 @@ A flow killed with SIGKILL runs no cleanup, so engines, the router and the train
 ports and memory, and a resumed run would start a second set beside them. Linux's parent-death signal asks the
 kernel to SIGTERM the child when its parent goes. The "parent" is the thread that spawned the child: sluiceway
 starts these processes from the flow's main thread, which lives as long as the run.
+
+Also the one place that picks free loopback ports for the processes it starts.
 """
 
 from __future__ import annotations
 
 import ctypes
 import signal
+import socket
 import sys
 
 _PR_SET_PDEATHSIG = 1
+LOOPBACK = "127.0.0.1"
 
 
 def die_with_parent() -> None:
@@ -21,3 +25,38 @@ def die_with_parent() -> None:
         return
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def free_port() -> int:
+    """A loopback port free right now (the caller binds it soon; a lost race shows up as a start failure)."""
+    return free_ports(1)[0]
+
+
+def free_ports(n: int, with_offset: int = 0) -> list[int]:
+    """``n`` distinct free loopback ports (the first also free at +with_offset).
+
+    All sockets stay open until every port is chosen, so the kernel cannot hand out one twice.
+    """
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < n:
+            s = socket.socket()
+            s.bind((LOOPBACK, 0))
+            held.append(s)
+            port = s.getsockname()[1]
+            if with_offset and not ports:
+                if port + with_offset > 65535:
+                    continue
+                try:
+                    t = socket.socket()
+                    t.bind((LOOPBACK, port + with_offset))
+                except OSError:
+                    t.close()
+                    continue
+                held.append(t)
+            ports.append(port)
+    finally:
+        for s in held:
+            s.close()
+    return ports

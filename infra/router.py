@@ -66,7 +66,6 @@ import atexit
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -75,19 +74,12 @@ from typing import Self
 
 import httpx
 
-from sluiceway.infra.proc import die_with_parent
+from sluiceway.infra.proc import die_with_parent, free_port
 
 HOST = "127.0.0.1"
 # power_of_two is left out: 0.3.2 refuses to start it with fewer than 2 workers, and we start empty.
 POLICIES = ("manual", "round_robin", "cache_aware", "random")
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # what the manual policy routes by
-
-
-def free_port() -> int:
-    """A loopback port free right now (the caller binds it soon; a lost race shows up as a start failure)."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def stop_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:

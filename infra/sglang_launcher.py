@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-from sluiceway.flows.errors import UserError
+from sluiceway.infra.errors import UserError
 
 SGLANG_FLAG_PREFIX = "--sglang-"
 

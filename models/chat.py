@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sluiceway.flows.errors import UserError
+from sluiceway.infra.errors import UserError
 
 
 def _check_messages(prompt: Sequence[Any]) -> list[dict[str, str]]:

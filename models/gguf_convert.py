@@ -12,7 +12,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from sluiceway.flows.errors import UserError
+from sluiceway.infra.errors import UserError
 from sluiceway.models.chat import make_tokenizer_config_portable
 
 # Nothing is ever fetched from a hub at run time; local_files_only below is the real guarantee,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import warnings
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from sluiceway.infra.proc import free_port
 from sluiceway.models.fused_logprobs import token_logprob_entropy
 
 with warnings.catch_warnings():
@@ -62,12 +62,6 @@ DEFAULT_SEED = 1234
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_parallel_state(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
@@ -89,7 +83,7 @@ def init_parallel_state(
         else:
             torch.distributed.init_process_group(
                 backend=backend,
-                init_method=f"tcp://127.0.0.1:{_free_port()}",
+                init_method=f"tcp://127.0.0.1:{free_port()}",
                 world_size=1,
                 rank=0,
             )

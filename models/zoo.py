@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from sluiceway.flows.errors import UserError
 from sluiceway.infra.cache import cache_root
+from sluiceway.infra.errors import UserError
 
 # No hub access at run time (see docs/design.md); loads below also pass local_files_only.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

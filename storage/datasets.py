@@ -17,7 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from sluiceway.flows.errors import UserError
+from sluiceway.infra.errors import UserError
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.tables import append_idempotent, read_table, table_exists, table_version
 

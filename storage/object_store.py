@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from sluiceway.flows.errors import UserError
+from sluiceway.infra.errors import UserError
 
 DEFAULT_REGION = "us-east-1"
 _REDACTED = "***"

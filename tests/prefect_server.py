@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from sluiceway.infra.proc import free_port
 
 # The tiny run the deployment tests trigger: tiny-llama, 2 steps of 2 prompts x 2 samples.
 SCORER = str(Path(__file__).parent / "data" / "noise_rewards.py") + ":vowel_share"
@@ -24,12 +25,6 @@ TINY_RUN_FLAGS = [
     "--custom-rm-path", SCORER, "--lr", "1e-3",
 ]  # fmt: skip
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sluiceway_cmd(*args: str) -> list[str]:

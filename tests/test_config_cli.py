@@ -10,7 +10,7 @@ import yaml
 from process_tags import new_tag, processes_tagged, tagged_env
 
 from sluiceway.flows.cli import field_flags, make_parser, resolve_config
-from sluiceway.flows.errors import UserError
+from sluiceway.infra.errors import UserError
 
 SLIME_FLAGS = (
     "--prompt-data --input-key --label-key --metadata-key --apply-chat-template --rollout-batch-size "

@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from prefect_server import TINY_RUN_FLAGS, PrefectServer, free_port, sluiceway_cmd, stop
+from prefect_server import TINY_RUN_FLAGS, PrefectServer, sluiceway_cmd, stop
 
 from sluiceway.flows.config import RunConfig
 from sluiceway.flows.logging_backends import read_scalars
+from sluiceway.infra.proc import free_port
 from sluiceway.storage.metrics import read_metrics
 from sluiceway.storage.object_store import ObjectStore
 

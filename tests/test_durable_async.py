@@ -19,8 +19,8 @@ import pytest
 from process_tags import processes_tagged
 from test_e2e_loop import BATCH, SCORER, N, run_cli
 
-from sluiceway.flows.errors import UserError
 from sluiceway.flows.retry import is_transient
+from sluiceway.infra.errors import UserError
 from sluiceway.storage.metrics import metrics_frame
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.stages import finished_stages

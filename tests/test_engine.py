@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ from sluiceway.infra.engine import Engine, GenerateRequest, SamplingParams, pack
 from sluiceway.infra.engine.core import stream
 from sluiceway.infra.engine.kv_cache import SlotKVCache
 from sluiceway.infra.engine.llama import LlamaRunner, attention
+from sluiceway.infra.proc import free_port
 from sluiceway.models.zoo import load_hf_model, load_hf_state_dict, load_tokenizer, resolve_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
@@ -61,15 +61,9 @@ def other_weights(model_dir, tmp_path_factory) -> Path:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(model_dir, cache_dir):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "SLUICEWAY_CACHE": str(cache_dir)}
     cmd = [sys.executable, "-m", "sluiceway.flows.cli", "engine", "--model", "tiny-llama", "--port", str(port),
            "--max-running-requests", "8", "--max-total-len", "2048"]  # fmt: skip

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from sluiceway.flows.errors import UserError
+from sluiceway.infra.errors import UserError
 from sluiceway.tasks.environments import (
     ENVIRONMENTS,
     Environment,

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from sluiceway.flows.cli import make_parser, resolve_config
-from sluiceway.flows.errors import UserError
 from sluiceway.flows.report import render
 from sluiceway.flows.runtime import eval_rollout_settings
 from sluiceway.infra.engine import Engine, GenerateRequest, SamplingParams
 from sluiceway.infra.engine.sampling import TOP_K_ALL, sample
+from sluiceway.infra.errors import UserError
 from sluiceway.models.zoo import load_hf_model, resolve_checkpoint
 from sluiceway.storage.evals import EVALS, append_eval_samples, read_evals
 from sluiceway.storage.metrics import append_metrics, read_metrics

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from model_helpers import padded_batch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from sluiceway.infra.router import free_port
+from sluiceway.infra.proc import free_port
 from sluiceway.models.hf_megatron import (
     hf_to_megatron,
     load_hf_weights,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sluiceway.flows.errors import UserError
+from sluiceway.infra.errors import UserError
 from sluiceway.infra.pool import EnginePool
 from sluiceway.infra.router import SGLangRouter
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from test_e2e_loop import BATCH, N, run_cli
 from sluiceway.flows.config import RunConfig
 from sluiceway.flows.pools import PoolsFile, PoolSpec, local_pools
 from sluiceway.flows.rl import pool_min_version
+from sluiceway.infra.proc import free_port
 from sluiceway.models.zoo import resolve_checkpoint
 from sluiceway.storage.metrics import metrics_frame
 from sluiceway.storage.object_store import ObjectStore
@@ -90,12 +90,6 @@ def test_bad_pool_flags_are_one_line(flags, message):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_run_takes_groups_from_remote_pools_without_waiting_for_slow_ones(tmp_path):

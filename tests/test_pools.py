@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from sluiceway.flows.config import RunConfig
-from sluiceway.flows.errors import UserError
 from sluiceway.flows.pools import PoolsFile, PoolSpec, load_pools, local_pools
+from sluiceway.infra.errors import UserError
 from sluiceway.models.zoo import resolve_checkpoint
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.weights import WeightPublisher, WeightStore, materialize

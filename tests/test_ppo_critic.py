@@ -19,8 +19,8 @@ from torch.nn.functional import pad
 
 from sluiceway.flows.cli import make_parser, resolve_config
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
-from sluiceway.flows.errors import UserError
-from sluiceway.infra.router import free_port
+from sluiceway.infra.errors import UserError
+from sluiceway.infra.proc import free_port
 from sluiceway.models.hf_megatron import merge_tp_shards
 from sluiceway.models.megatron_gpt import init_parallel_state
 from sluiceway.models.value_model import ValueHead, build_value_model, init_value_head, token_values

@@ -8,9 +8,10 @@ import sys
 import pytest
 
 from sluiceway.flows.cli import make_parser, resolve_config
-from sluiceway.flows.config import TrainingConfig, resolve_precision
-from sluiceway.flows.errors import UserError
+from sluiceway.flows.config import TrainingConfig
+from sluiceway.flows.precision import resolve_precision
 from sluiceway.infra import precision
+from sluiceway.infra.errors import UserError
 
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from test_e2e_loop import BATCH, SCORER, N, run_cli
 
-from sluiceway.flows.errors import UserError
+from sluiceway.infra.errors import UserError
 from sluiceway.models.zoo import load_hf_model, resolve_checkpoint
 from sluiceway.storage.metrics import read_metrics
 from sluiceway.storage.object_store import ObjectStore

@@ -2,8 +2,8 @@
 
 import pytest
 
-from sluiceway.flows.errors import UserError
 from sluiceway.flows.report import render, sparkline
+from sluiceway.infra.errors import UserError
 from sluiceway.storage.metrics import append_metrics
 from sluiceway.storage.object_store import ObjectStore
 

@@ -207,7 +207,7 @@ def test_control_calls_reach_every_engine(stack, model_dir):
 def test_client_retries_until_the_router_is_up(stack, tmp_path):
     """The client, not the router, covers a router that is not (yet) reachable: same rid, backoff."""
     _, pool = stack
-    from sluiceway.infra.router import free_port
+    from sluiceway.infra.proc import free_port
 
     port = free_port()
     late = SGLangRouter(tmp_path, port=port)

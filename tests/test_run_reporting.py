@@ -18,8 +18,8 @@ from sluiceway.flows.artifacts import (
     strip_userinfo,
 )
 from sluiceway.flows.config import RunConfig
-from sluiceway.flows.errors import UserError
 from sluiceway.flows.logging_backends import MetricLoggers, read_scalars, tensorboard_dir
+from sluiceway.infra.errors import UserError
 
 
 def _cfg(tmp_path, **logging) -> RunConfig:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
-from sluiceway.flows.errors import UserError
+from sluiceway.infra.errors import UserError
 from sluiceway.models.chat import encode_prompt, render_prompt
 from sluiceway.models.megatron_gpt import token_logprobs
 from sluiceway.models.zoo import load_hf_model, load_tokenizer, resolve_checkpoint

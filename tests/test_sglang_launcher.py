@@ -75,7 +75,7 @@ def test_config_carries_sglang_args():
 
 @pytest.mark.parametrize("flag", ["--rollout-engine"])
 def test_unknown_engine_kind_is_refused(flag):
-    from sluiceway.flows.errors import UserError
+    from sluiceway.infra.errors import UserError
 
     with pytest.raises(UserError):
         make_parser().parse_args(["run", flag, "vllm"])

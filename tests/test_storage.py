@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from sluiceway.flows.errors import UserError
+from sluiceway.infra.errors import UserError
 from sluiceway.storage.datasets import DATASET_SCHEMA, import_prompts, import_records, load_prompts
 from sluiceway.storage.metrics import append_metrics, metrics_frame, read_metrics
 from sluiceway.storage.object_store import ObjectStore

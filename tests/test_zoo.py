@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sluiceway.flows.errors import UserError
+from sluiceway.infra.errors import UserError
 from sluiceway.models.chat import encode_prompt, render_prompt
 from sluiceway.models.tiny import build_tiny_llama
 from sluiceway.models.zoo import ZOO, load_hf_model, load_tokenizer, model_cache_dir, resolve_checkpoint

@@ -313,7 +313,7 @@ class Engine:
         The files are read and checked in the caller's thread; a missing path or a tensor that does not fit
         raises EngineError and leaves the old weights serving. Running requests continue on the new weights.
         """
-        from sluiceway.flows.errors import UserError
+        from sluiceway.infra.errors import UserError
         from sluiceway.models.zoo import load_hf_state_dict
 
         try:

@@ -622,11 +622,11 @@ def serve(
     try:
         torch_dtype = dtype_from_name(dtype)
     except EngineError as e:
-        from sluiceway.flows.errors import UserError
+        from sluiceway.infra.errors import UserError
 
         raise UserError(f"--dtype: {e}") from None
 
-    from sluiceway.flows.errors import UserError
+    from sluiceway.infra.errors import UserError
 
     try:
         engine = Engine(

@@ -23,7 +23,7 @@ import random
 import re
 from typing import Any
 
-from sluiceway.flows.errors import UserError
+from sluiceway.infra.errors import UserError
 from sluiceway.tasks.environments import arithmetic, countdown, counting, logic, reverse, sorting
 from sluiceway.tasks.environments.base import Environment, as_text, parse_metadata
 

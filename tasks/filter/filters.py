@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from sluiceway.flows.plugins import load_function
+from sluiceway.infra.plugins import load_function
 
 GroupFilter = Callable[[list[dict]], str | None]
 

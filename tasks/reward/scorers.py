@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from sluiceway.flows.errors import UserError
-from sluiceway.flows.plugins import load_function
+from sluiceway.infra.errors import UserError
+from sluiceway.infra.plugins import load_function
 from sluiceway.tasks.environments import env_reward
 from sluiceway.tasks.reward.code_exec import code_reward
 from sluiceway.tasks.reward.math_answer import exact_reward, math_reward

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from sluiceway.flows.errors import UserError
-from sluiceway.flows.plugins import load_function
+from sluiceway.infra.errors import UserError
+from sluiceway.infra.plugins import load_function
 
 
 @dataclass

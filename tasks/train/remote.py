@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -17,16 +16,8 @@ from multiprocessing.connection import Client
 from pathlib import Path
 from typing import Any
 
-from sluiceway.infra.proc import die_with_parent
+from sluiceway.infra.proc import die_with_parent, free_ports
 from sluiceway.tasks.train.worker import recv, send
-
-
-def _two_free_ports() -> tuple[int, int]:
-    """Two distinct free loopback ports (asked for while both are held, so they cannot be the same one)."""
-    with socket.socket() as a, socket.socket() as b:
-        a.bind(("127.0.0.1", 0))
-        b.bind(("127.0.0.1", 0))
-        return a.getsockname()[1], b.getsockname()[1]
 
 
 class TrainerGroupError(RuntimeError):
@@ -49,7 +40,7 @@ class RemoteTrainer:
         init_file.write_text(json.dumps(init_kwargs, default=str))
         self.log_path = self.work_dir / "trainer.log"
         key = secrets.token_bytes(32)
-        control_port, master_port = _two_free_ports()
+        control_port, master_port = free_ports(2)
         control = ("127.0.0.1", control_port)
         env = dict(
             os.environ,

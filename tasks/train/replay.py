@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pyarrow.compute as pc
 from deltalake.exceptions import DeltaError
 
-from sluiceway.flows.errors import UserError
+from sluiceway.infra.errors import UserError
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.tables import open_table, read_table, table_exists
 from sluiceway.storage.trajectories import TRAJECTORIES, read_trajectories

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sluiceway.flows.errors import UserError
+from sluiceway.infra.errors import UserError
 from sluiceway.models.chat import encode_prompt
 from sluiceway.tasks.train.trainer import TrainSample
 

@@ -7,7 +7,7 @@ import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
-from sluiceway.flows.errors import UserError
+from sluiceway.infra.errors import UserError
 
 
 def load_function(path: str, flag: str) -> Callable:
