@@ -11,7 +11,8 @@
     sluiceway engine --model NAME_OR_DIR [--port N]  serve the embedded engine (SGLang's HTTP API)
     sluiceway server [--port 4200]                   a Prefect server and its UI on loopback
     sluiceway serve [CONFIG.yaml] [flags] [--cron X]  deployments of the flows (flows/deploy.py)
-    sluiceway ckpt ls|diff A B|apply V --to DIR|verify V --store URI   inspect and repair a weight store
+    sluiceway weights ls|diff A B|apply V --to DIR|verify V --store URI   inspect and repair a weight store
+                                                     (published weight versions; alias: ckpt)
 
 Every config field is a flag named after it (`rollout_batch_size` -> `--rollout-batch-size`), which gives
 slime's names for the fields slime has. A user mistake prints one line and exits 2, never a traceback.
@@ -28,8 +29,8 @@ from typing import Literal, get_args, get_origin
 
 import yaml
 
-from sluiceway.flows.ckpt import add_parser as add_ckpt_parser
 from sluiceway.flows.config import RunConfig, build_config, load_yaml
+from sluiceway.flows.weights_cmd import add_parser as add_weights_parser
 from sluiceway.infra.errors import UserError
 
 
@@ -122,7 +123,7 @@ def make_parser() -> argparse.ArgumentParser:
     eng.add_argument("--weight-version", default="0")
     eng.add_argument("--seed", type=int, default=None, help="base seed for requests without sampling_seed")
     eng.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
-    add_ckpt_parser(sub)
+    add_weights_parser(sub)
     pools = sub.add_parser("pools", help="local inference pools that pull weight versions (development)")
     pools_sub = pools.add_subparsers(dest="pools_command", required=True, parser_class=_Parser)
     up = pools_sub.add_parser("up", help="start the pools of a YAML file and serve until Ctrl-C")
@@ -156,10 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         args = make_parser().parse_args(argv)
         if sglang_args:
             vars(args)["rollout.sglang_server_args"] = sglang_args
-        if args.command == "ckpt":
-            from sluiceway.flows.ckpt import run as run_ckpt
+        if args.command in ("weights", "ckpt"):
+            from sluiceway.flows.weights_cmd import run as run_weights
 
-            return run_ckpt(args)
+            return run_weights(args)
         if args.command == "pools":
             from sluiceway.flows.pools import pools_up
 

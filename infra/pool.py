@@ -36,7 +36,9 @@ class PoolError(RuntimeError):
 
 
 @dataclass
-class Engine:
+class EngineProcess:
+    """One engine of the pool: a process we started, or an external URL we only route to."""
+
     url: str
     process: subprocess.Popen | None = None  # None: external, not ours to stop
     log_path: Path | None = None
@@ -87,7 +89,7 @@ class EnginePool:
         self.startup_timeout_s = startup_timeout_s
         self.health_timeout_s = health_timeout_s
         self.failure_threshold = failure_threshold
-        self.engines: list[Engine] = []
+        self.engines: list[EngineProcess] = []
         self._http = httpx.Client(timeout=health_timeout_s, trust_env=False)
         self._started = False
         self._ready = False
@@ -112,7 +114,7 @@ class EnginePool:
             *self.engine_args,
         ]  # fmt: skip
 
-    def _spawn(self, index: int) -> Engine:
+    def _spawn(self, index: int) -> EngineProcess:
         port = free_port()
         log_path = self.log_dir / f"engine-{index}.log"
         command, extra_env = self.launcher(index, port) if self.launcher else (self._command(port), {})
@@ -126,7 +128,7 @@ class EnginePool:
                 start_new_session=True,  # own process group: stop()/kill() reach its children too
                 preexec_fn=die_with_parent,  # a SIGKILLed flow leaves no engines behind
             )
-        return Engine(url=f"http://{HOST}:{port}", process=proc, log_path=log_path)
+        return EngineProcess(url=f"http://{HOST}:{port}", process=proc, log_path=log_path)
 
     def start(self) -> Self:
         """Spawn the engines and wait until every one is healthy (and behind the router)."""
@@ -153,7 +155,7 @@ class EnginePool:
             return self
         try:
             self._wait_healthy(list(self.engines), self.startup_timeout_s)
-            external = [Engine(url=u) for u in self.external_urls]
+            external = [EngineProcess(url=u) for u in self.external_urls]
             self._wait_healthy(external, min(self.startup_timeout_s, 60.0))
             self.engines.extend(external)
             if self.router is not None:
@@ -171,7 +173,7 @@ class EnginePool:
         except httpx.HTTPError:
             return False
 
-    def _wait_healthy(self, engines: list[Engine], timeout_s: float) -> None:
+    def _wait_healthy(self, engines: list[EngineProcess], timeout_s: float) -> None:
         pending = list(engines)
         deadline = time.monotonic() + timeout_s
         while pending:
@@ -192,7 +194,7 @@ class EnginePool:
     def check(self) -> list[str]:
         """Drop engines that died (process exited, or ``failure_threshold`` failed health checks in a row):
         they leave the pool and the router. Returns their URLs."""
-        dead: list[Engine] = []
+        dead: list[EngineProcess] = []
         for e in self.engines:
             if e.process is not None and e.process.poll() is not None:
                 dead.append(e)

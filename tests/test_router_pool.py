@@ -15,7 +15,7 @@ import pytest
 from sluiceway.infra.pool import EnginePool
 from sluiceway.infra.router import SGLangRouter
 from sluiceway.models.zoo import resolve_checkpoint
-from sluiceway.tasks.rollout.client import EngineClient, EngineError, GenerateResult, parse_generate_response
+from sluiceway.tasks.rollout.client import EngineCallError, EngineClient, GenerateResult, parse_generate_response
 
 VOCAB_GUARD = 1 << 20  # token ids must be plain non-negative ints below any real vocabulary size
 
@@ -84,7 +84,7 @@ def test_parse_generate_response():
     r = parse_generate_response(body, "r", 3, 0.1)
     assert (r.token_ids, r.logprobs, r.finish_reason, r.weight_version) == ([7, 8], [-0.5, -1.5], "stop", 0)
     body["meta_info"]["output_token_logprobs"] = body["meta_info"]["output_token_logprobs"][:1]
-    with pytest.raises(EngineError, match="2 output ids but 1 logprobs"):
+    with pytest.raises(EngineCallError, match="2 output ids but 1 logprobs"):
         parse_generate_response(body, "r", 3, 0.1)
 
 
@@ -198,7 +198,7 @@ def test_control_calls_reach_every_engine(stack, model_dir):
             await client.flush_cache()
             await client.abort("no-such-rid")  # harmless on every engine
 
-            with pytest.raises(EngineError, match="does-not-exist"):
+            with pytest.raises(EngineCallError, match="does-not-exist"):
                 await client.update_weights_from_disk(str(model_dir.parent / "does-not-exist"), 8)
 
     run(go())

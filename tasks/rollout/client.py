@@ -11,7 +11,7 @@ Who retries what:
   re-sends the same ``rid`` too. A read timeout is not retried: the request may still be running and a
   second copy would double the work; it raises.
 Either way an engine may have seen a request twice, and the caller gets one result per call: keep results
-keyed by ``rid``. 4xx answers (a bad request) raise :class:`EngineError` at once.
+keyed by ``rid``. 4xx answers (a bad request) raise :class:`EngineCallError` at once.
 
 The router does not forward ``/abort_request``, ``/pause_generation``, ``/continue_generation``,
 ``/update_weights_from_disk`` or ``/model_info``: those go to each engine in ``engine_urls`` directly, which
@@ -30,7 +30,7 @@ import httpx
 from sluiceway.infra.router import ROUTING_KEY_HEADER
 
 
-class EngineError(RuntimeError):
+class EngineCallError(RuntimeError):
     """A generate call failed for good, or an engine refused a control call (the message names the engine)."""
 
 
@@ -62,7 +62,7 @@ def parse_generate_response(body: dict, rid: str, prompt_len: int, latency_s: fl
     pairs = meta.get("output_token_logprobs") or []  # [[logprob, token_id, text-or-null], ...]
     logprobs = [float(p[0]) for p in pairs]
     if pairs and len(pairs) != len(token_ids):
-        raise EngineError(f"rid {rid}: {len(token_ids)} output ids but {len(pairs)} logprobs")
+        raise EngineCallError(f"rid {rid}: {len(token_ids)} output ids but {len(pairs)} logprobs")
     reason = meta.get("finish_reason")
     if isinstance(reason, dict):
         reason = reason.get("type")
@@ -138,7 +138,7 @@ class EngineClient:
                 headers = keyed if attempt == 0 else None
                 r = await self._http.post(f"{self.router_url}/generate", json=body, headers=headers)
             except (httpx.ReadTimeout, httpx.WriteTimeout) as e:
-                raise EngineError(f"rid {rid}: no answer from {self.router_url} in time ({e!r})") from e
+                raise EngineCallError(f"rid {rid}: no answer from {self.router_url} in time ({e!r})") from e
             except httpx.TransportError as e:
                 # Router unreachable or connection dropped (connect/pool timeouts included): same rid again.
                 last = f"{type(e).__name__}: {e}"
@@ -147,9 +147,11 @@ class EngineClient:
                 last = f"{r.status_code} {_error_text(r)}"
                 continue
             if r.status_code >= 400:
-                raise EngineError(f"rid {rid}: {self.router_url}/generate answered {r.status_code}: {_error_text(r)}")
+                answer = f"{r.status_code}: {_error_text(r)}"
+                raise EngineCallError(f"rid {rid}: {self.router_url}/generate answered {answer}")
             return parse_generate_response(r.json(), rid, len(input_ids), time.monotonic() - start)
-        raise EngineError(f"rid {rid}: {self.router_url}/generate failed {self.max_retries + 1} times; last: {last}")
+        tries = self.max_retries + 1
+        raise EngineCallError(f"rid {rid}: {self.router_url}/generate failed {tries} times; last: {last}")
 
     # --- control: each engine --------------------------------------------------------------------------------
 
@@ -160,16 +162,16 @@ class EngineClient:
         try:
             r = await self._http.request(method, f"{url}{path}", **kwargs)
         except httpx.HTTPError as e:
-            raise EngineError(f"{url}{path}: {type(e).__name__}: {e}") from e
+            raise EngineCallError(f"{url}{path}: {type(e).__name__}: {e}") from e
         if r.status_code >= 400:
-            raise EngineError(f"{url}{path} answered {r.status_code}: {_error_text(r)}")
+            raise EngineCallError(f"{url}{path} answered {r.status_code}: {_error_text(r)}")
         try:
             body = r.json()
         except ValueError:
             return r.text
         # SGLang reports some failures as 200 with success=false.
         if isinstance(body, dict) and body.get("success") is False:
-            raise EngineError(f"{url}{path} failed: {body.get('message', body)}")
+            raise EngineCallError(f"{url}{path} failed: {body.get('message', body)}")
         return body
 
     async def _broadcast(
@@ -182,7 +184,7 @@ class EngineClient:
         )
         failed = [str(r) for r in results if isinstance(r, BaseException)]
         if strict and failed:
-            raise EngineError(f"{len(failed)} of {len(urls)} engines failed: " + "; ".join(failed))
+            raise EngineCallError(f"{len(failed)} of {len(urls)} engines failed: " + "; ".join(failed))
         return {u: r for u, r in zip(urls, results, strict=True) if not isinstance(r, BaseException)}
 
     async def abort(self, rid: str) -> None:
@@ -214,7 +216,7 @@ class EngineClient:
     async def _model_info(self, url: str) -> dict:
         try:
             return await self._call("GET", url, "/model_info", None, 30.0)
-        except EngineError:  # older SGLang only has the get_ name
+        except EngineCallError:  # older SGLang only has the get_ name
             return await self._call("GET", url, "/get_model_info", None, 30.0)
 
     async def weight_versions(self) -> dict[str, int]:

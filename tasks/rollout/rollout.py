@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from sluiceway.storage.trajectories import read_trajectories
-from sluiceway.tasks.rollout.client import EngineError
+from sluiceway.tasks.rollout.client import EngineCallError
 from sluiceway.tasks.rollout.dispatch import LOCAL, PoolDispatcher, PoolTarget
 from sluiceway.tasks.rollout.multiturn import GenerateContext
 from sluiceway.tasks.rollout.writer import GroupWriter
@@ -317,7 +317,7 @@ async def run_rollout(
                     out = await run_on(w, target), target
                 else:
                     out = await on_remote(w, target)
-            except EngineError as exc:
+            except EngineCallError as exc:
                 if target.local:
                     raise
                 dispatcher.bench(target, str(exc))  # the group goes to another pool

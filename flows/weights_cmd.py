@@ -1,4 +1,7 @@
-"""`sluiceway ckpt ls | diff A B | apply VERSION --to DIR | verify VERSION`: inspect and repair a weight store.
+"""`sluiceway weights ls | diff A B | apply VERSION --to DIR | verify VERSION`: inspect and repair a weight store.
+
+Named after what it manages: published weight versions (full copies and deltas), not training checkpoints.
+`sluiceway ckpt` is an alias kept for scripts written before the rename.
 
 `--store` is the URI the versions live under (a local path or s3://bucket/prefix; S3 credentials come from the
 AWS_* environment). Asking for something the store does not have is a user mistake (exit 2); a store that cannot
@@ -15,8 +18,10 @@ from sluiceway.infra.errors import UserError
 
 
 def add_parser(sub) -> None:
-    ck = sub.add_parser("ckpt", help="inspect and repair a weight store (full versions and deltas)")
-    cmds = ck.add_subparsers(dest="ckpt_command", required=True, parser_class=type(ck))
+    ck = sub.add_parser(
+        "weights", aliases=["ckpt"], help="inspect and repair a weight store (full versions and deltas; alias: ckpt)"
+    )
+    cmds = ck.add_subparsers(dest="weights_command", required=True, parser_class=type(ck))
     for name, help_ in (
         ("ls", "list the stored versions"),
         ("diff", "which tensors differ between two versions"),
@@ -41,7 +46,7 @@ def _open(uri: str):
     from sluiceway.storage.weights import WeightStore
 
     if "://" not in uri and not Path(uri).expanduser().is_dir():
-        raise UserError(f"ckpt: --store {uri} is not a directory")
+        raise UserError(f"weights: --store {uri} is not a directory")
     return WeightStore(ObjectStore.from_uri(uri))
 
 
@@ -49,14 +54,14 @@ def _version(wstore, text: str) -> int:
     if text == "latest":
         latest = wstore.latest()
         if latest is None:
-            raise UserError(f"ckpt: {wstore.uri} holds no weight versions")
+            raise UserError(f"weights: {wstore.uri} holds no weight versions")
         return latest
     try:
         version = int(text.removeprefix("v"))
     except ValueError:
-        raise UserError(f"ckpt: version {text!r} is not a number, vNNNNNN or 'latest'") from None
+        raise UserError(f"weights: version {text!r} is not a number, vNNNNNN or 'latest'") from None
     if version not in wstore.versions():
-        raise UserError(f"ckpt: {wstore.uri} has no complete version {version} (see `sluiceway ckpt ls`)")
+        raise UserError(f"weights: {wstore.uri} has no complete version {version} (see `sluiceway weights ls`)")
     return version
 
 
@@ -65,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
     wstore = _open(args.store)
     try:
-        return _COMMANDS[args.ckpt_command](wstore, args)
+        return _COMMANDS[args.weights_command](wstore, args)
     except WeightSyncError as exc:
         print(f"error: {wstore.store.redact(str(exc))}", file=sys.stderr)
         return 1
@@ -120,7 +125,7 @@ def _apply(wstore, args) -> int:
     to = Path(args.to).expanduser()
     source = Path(args.from_dir).expanduser() if args.from_dir else to
     if args.from_dir and not source.is_dir():
-        raise UserError(f"ckpt: --from {args.from_dir} is not a directory")
+        raise UserError(f"weights: --from {args.from_dir} is not a directory")
     held = local_version(source)
     materialize(wstore, version, source if held is not None else None, to)
     print(f"v{version} written to {to}" + (f" (receiver held v{held})" if held is not None else ""))
