@@ -8,6 +8,7 @@ import uuid
 import pytest
 
 from sluiceway.infra.s3_server import SeaweedS3
+from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.storage.object_store import ObjectStore
 
 
@@ -31,3 +32,10 @@ def store(request: pytest.FixtureRequest, tmp_path, monkeypatch: pytest.MonkeyPa
         monkeypatch.setenv(key, value)
     prefix = re.sub(r"[^A-Za-z0-9_-]+", "-", request.node.name)[:60] + "-" + uuid.uuid4().hex[:8]
     return ObjectStore.from_uri(f"s3://{server.bucket}/{prefix}")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny-llama checkpoint built into a fresh cache, and its tokenizer (once per module that asks)."""
+    path = resolve_checkpoint("tiny-llama", cache_dir=tmp_path_factory.mktemp("cache"))
+    return path, load_tokenizer(path)

@@ -13,11 +13,12 @@ import time
 from pathlib import Path
 
 import httpx
+from paths import DATA
 
 from sluiceway.infra.proc import free_port
 
 # The tiny run the deployment tests trigger: tiny-llama, 2 steps of 2 prompts x 2 samples.
-SCORER = str(Path(__file__).parent / "data" / "noise_rewards.py") + ":vowel_share"
+SCORER = str(DATA / "noise_rewards.py") + ":vowel_share"
 TINY_RUN_FLAGS = [
     "--prompt-data", "env:arithmetic", "--hf-checkpoint", "tiny-llama", "--rollout-batch-size", "2",
     "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--micro-batch-size", "4",

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from paths import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_doc  # noqa: E402
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from paths import ROOT
 from process_tags import new_tag, processes_tagged, tagged_env
 
 from sluiceway.flows.cli import field_flags, make_parser, resolve_config
@@ -161,7 +162,7 @@ def test_cli_mistakes_are_reported_before_anything_starts(tmp_path, run_args, mi
 def test_configuration_reference_is_current():
     from sluiceway.flows.config_docs import render_markdown
 
-    doc = Path(__file__).parents[1] / "docs" / "configuration.md"
+    doc = ROOT / "docs" / "configuration.md"
     assert doc.read_text() == render_markdown(), "regenerate: python -m sluiceway.flows.config_docs"
 
 

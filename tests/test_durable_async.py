@@ -16,8 +16,8 @@ import uuid
 
 import httpx
 import pytest
+from cli_run import BATCH, SCORER, N, run_cli
 from process_tags import processes_tagged
-from test_e2e_loop import BATCH, SCORER, N, run_cli
 
 from sluiceway.flows.retry import is_transient
 from sluiceway.infra.errors import UserError

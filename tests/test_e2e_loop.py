@@ -4,12 +4,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pandas as pd
 import polars as pl
 import pytest
 import torch
+from cli_run import BATCH, N, run_cli
 
 from sluiceway.models.hf_megatron import hf_to_megatron
 from sluiceway.models.zoo import load_hf_model, resolve_checkpoint
@@ -17,53 +17,6 @@ from sluiceway.storage.evals import read_evals
 from sluiceway.storage.metrics import read_metrics
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.trajectories import TRAJECTORY_SCHEMA, read_trajectories
-
-BATCH, N = 4, 4  # prompts per step, samples per prompt
-# An untrained tiny model never answers arithmetic right: every group would have zero reward spread and
-# GRPO no gradient. The share of vowels in the answer varies from sample to sample.
-SCORER = str(Path(__file__).parent / "data" / "noise_rewards.py") + ":vowel_share"
-
-
-def run_cli(run_dir, cache, *extra, env=None):
-    args = [
-        sys.executable,
-        "-m",
-        "sluiceway.flows.cli",
-        "run",
-        "--prompt-data",
-        "env:arithmetic",
-        "--hf-checkpoint",
-        "tiny-llama",
-        "--output-dir",
-        str(run_dir),
-        "--rollout-batch-size",
-        str(BATCH),
-        "--n-samples-per-prompt",
-        str(N),
-        "--global-batch-size",
-        str(BATCH * N),
-        "--micro-batch-size",
-        "8",
-        "--rollout-max-response-len",
-        "8",
-        "--rollout-temperature",
-        "1.0",
-        "--lr",
-        "1e-3",
-        "--save-interval",
-        "1",
-        "--env-size",
-        "32",
-        "--seed",
-        "3",
-        "--custom-rm-path",
-        SCORER,
-        *extra,
-    ]
-    env = dict(os.environ, SLUICEWAY_CACHE=str(cache), **(env or {}))
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import polars as pl
 import pytest
 import torch
+from paths import DATA
 
 from sluiceway.flows.cli import make_parser, resolve_config
 from sluiceway.flows.report import render
@@ -26,7 +26,7 @@ from sluiceway.tasks.rollout.rollout import RolloutSettings
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 
-SCORER = str(Path(__file__).parent / "data" / "noise_rewards.py") + ":vowel_share"
+SCORER = str(DATA / "noise_rewards.py") + ":vowel_share"
 
 
 # ------------------------------------------------------------------------------------------------ greedy sampling

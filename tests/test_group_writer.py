@@ -2,7 +2,7 @@
 
 import asyncio
 
-from test_storage import batch
+from storage_helpers import batch
 
 from sluiceway.storage.tables import table_version
 from sluiceway.storage.trajectories import TRAJECTORIES, append_trajectory_groups, read_trajectories

@@ -13,8 +13,9 @@ import ast
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = ROOT
 PACKAGES = ("flows", "tasks", "storage", "models", "infra")
 
 

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = ROOT
 K8S = ROOT / "infra" / "k8s"
 TEMPLATE = K8S / "prefect" / "base-job-template.json"
 WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}

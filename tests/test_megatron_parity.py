@@ -10,8 +10,7 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-from model_helpers import padded_batch
-from transformers import LlamaConfig, LlamaForCausalLM
+from model_helpers import LENGTHS, VOCAB, padded_batch, tiny_config, tiny_hf_model
 
 from sluiceway.infra.proc import free_port
 from sluiceway.models.hf_megatron import (
@@ -35,36 +34,6 @@ from sluiceway.models.megatron_gpt import (
 
 # megatron-core 0.16 emits DeprecationWarnings for its own defaults (tp_group=None, ffn_hidden_size): not ours.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
-VOCAB = 300
-LENGTHS = [12, 7, 3]  # right-padded batch: valid lengths per row
-
-
-def tiny_config(tied: bool) -> LlamaConfig:
-    return LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=VOCAB,
-        max_position_embeddings=128,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=tied,
-        attn_implementation="eager",
-    )
-
-
-def tiny_hf_model(tied: bool) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_config(tied)).eval()
-    # Random init leaves norms at 1; perturb them so a swapped norm mapping cannot pass.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
 
 
 def hf_logprobs_entropy(model, ids, mask, temperature):

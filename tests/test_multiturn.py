@@ -3,10 +3,10 @@
 import asyncio
 import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 import torch
+from paths import DATA, ROOT
 
 from sluiceway.infra.errors import UserError
 from sluiceway.infra.pool import EnginePool
@@ -17,9 +17,6 @@ from sluiceway.storage.trajectories import read_trajectories
 from sluiceway.tasks.rollout.client import EngineClient
 from sluiceway.tasks.rollout.multiturn import load_custom_generate
 from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings, plan_step, run_rollout
-
-DATA = Path(__file__).parent / "data"
-ROOT = Path(__file__).parents[1]
 
 
 def test_two_turns_keep_engine_tokens_and_mask_the_environment(tmp_path):

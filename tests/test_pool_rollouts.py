@@ -16,7 +16,7 @@ import sys
 import time
 
 import pytest
-from test_e2e_loop import BATCH, N, run_cli
+from cli_run import BATCH, N, run_cli
 
 from sluiceway.flows.config import RunConfig
 from sluiceway.flows.pools import PoolsFile, PoolSpec, local_pools
@@ -176,7 +176,7 @@ class SlowLink:
 
 
 def test_a_slow_pool_is_hedged_on_the_run_s_own_engines(tmp_path, caplog):
-    from test_rollout import make_prompts, settings, start_stack
+    from rollout_helpers import make_prompts, settings, start_stack
 
     from sluiceway.models.zoo import load_tokenizer
     from sluiceway.tasks.rollout.client import EngineClient

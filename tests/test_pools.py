@@ -145,7 +145,7 @@ def test_published_dtype_follows_the_training_dtype(tmp_path, bf16):
 def test_run_publishes_to_the_weight_store_every_interval(tmp_path):
     """--update-weight-mode delta --update-weights-interval 2 over 2 steps: step 1's sync is skipped, step 2's
     version lands on the weight store, exactly the directory the run's own engines loaded."""
-    from test_e2e_loop import run_cli
+    from cli_run import run_cli
 
     run_dir = tmp_path / "run"
     small = ("--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4")

@@ -12,10 +12,9 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-from model_helpers import padded_batch
-from test_megatron_parity import LENGTHS, tiny_config, tiny_hf_model
-from test_trainer import make_trainer, sequence_logprob, tiny  # noqa: F401  (tiny is a fixture)
+from model_helpers import LENGTHS, padded_batch, tiny_config, tiny_hf_model
 from torch.nn.functional import pad
+from trainer_helpers import make_trainer, sequence_logprob
 
 from sluiceway.flows.cli import make_parser, resolve_config
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig

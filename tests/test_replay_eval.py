@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
+from cli_run import BATCH, SCORER, N, run_cli
 from safetensors.torch import load_file
-from test_e2e_loop import BATCH, SCORER, N, run_cli
 
 from sluiceway.infra.errors import UserError
 from sluiceway.models.zoo import load_hf_model, resolve_checkpoint

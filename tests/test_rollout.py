@@ -13,23 +13,21 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from paths import DATA
+from rollout_helpers import make_prompts, settings, start_stack
 
-from sluiceway.infra.pool import EnginePool
-from sluiceway.infra.router import SGLangRouter
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.trajectories import read_trajectories
-from sluiceway.tasks.environments.arithmetic import generate as arithmetic
 from sluiceway.tasks.rollout.client import EngineClient
-from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings, plan_step, run_rollout
+from sluiceway.tasks.rollout.rollout import plan_step, run_rollout
 from sluiceway.tasks.sync.disk import write_weight_version
 
-WORKER = Path(__file__).parent / "data" / "rollout_worker.py"
+WORKER = DATA / "rollout_worker.py"
 
 
 @pytest.fixture(scope="module")
@@ -40,42 +38,6 @@ def cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model_dir(cache):
     return resolve_checkpoint("tiny-llama", cache_dir=cache)
-
-
-def make_prompts(tokenizer, n: int) -> list[PromptItem]:
-    return [
-        PromptItem(f"arith:{i}", r["input"], tokenizer.encode(r["input"]), r["label"], r["metadata"])
-        for i, r in enumerate(arithmetic(n, seed=5))
-    ]
-
-
-def settings(**kw) -> RolloutSettings:
-    base = dict(
-        n_samples=4,
-        max_new_tokens=12,
-        temperature=1.0,
-        top_p=1.0,
-        stop_token_ids=[2],
-        seed=11,
-        groups_needed=8,
-        groups_submitted=8,
-        max_concurrency=8,
-    )
-    return RolloutSettings(**(base | kw))
-
-
-def start_stack(tmp, model_dir, n_engines):
-    router = SGLangRouter(tmp / "logs").start()
-    env = dict(os.environ, SLUICEWAY_CACHE=str(model_dir.parent.parent))
-    pool = EnginePool(
-        str(model_dir),
-        n_engines,
-        tmp / "logs",
-        router=router,
-        env=env,
-        engine_args=("--max-running-requests", "16", "--max-total-len", "160"),
-    ).start()
-    return router, pool
 
 
 def finished_requests(url: str) -> int:

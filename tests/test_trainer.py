@@ -3,36 +3,17 @@ in bf16 with fp32 master weights; weights leave in HF names; a checkpoint restor
 
 import pytest
 import torch
+from trainer_helpers import make_trainer, sequence_logprob
 
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
-from sluiceway.models.zoo import load_hf_model, load_tokenizer, resolve_checkpoint
-from sluiceway.tasks.train.trainer import PolicyTrainer, TrainSample, collate
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = resolve_checkpoint("tiny-llama", cache_dir=tmp_path_factory.mktemp("cache"))
-    return path, load_tokenizer(path)
-
-
-def make_trainer(path, tok, bf16=False, **algo):
-    training = TrainingConfig(global_batch_size=4, micro_batch_size=2, lr=1e-2, bf16=bf16, hf_checkpoint=str(path))
-    return PolicyTrainer(path, training, AlgorithmConfig(**algo), temperature=1.0, pad_token_id=tok.pad_token_id)
+from sluiceway.models.zoo import load_hf_model
+from sluiceway.tasks.train.trainer import PolicyTrainer, TrainSample
 
 
 def samples(tok, advantages):
     prompt = tok.encode("What is 2 + 3?")
     responses = [tok.encode(" 5"), tok.encode(" 7"), tok.encode(" The answer is 5"), tok.encode(" no")]
     return [TrainSample(prompt, r, [1] * len(r), a, [0.0] * len(r)) for r, a in zip(responses, advantages)]
-
-
-def sequence_logprob(trainer, sample):
-    from sluiceway.models.megatron_gpt import token_logprobs
-
-    mb = collate([sample], trainer.pad_token_id)
-    with torch.no_grad():
-        lp = token_logprobs(trainer.model, mb.input_ids)
-    return float((lp.float() * mb.mask).sum())
 
 
 @pytest.mark.parametrize("bf16", [False, True])

@@ -16,13 +16,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from paths import TESTS
 from prefect_server import TINY_RUN_FLAGS, PrefectServer, sluiceway_cmd, stop
 
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.trajectories import read_trajectories
 
 CHROMIUM = os.environ.get("SLUICEWAY_CHROMIUM", "/usr/bin/chromium")
-SHOTS = Path(__file__).parent / "artifacts"
+SHOTS = TESTS / "artifacts"
 
 pytestmark = pytest.mark.skipif(
     not Path(CHROMIUM).exists(),

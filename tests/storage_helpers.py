@@ -1,0 +1,36 @@
+"""Trajectory rows for the storage tests (imported by name: tests/ is on pytest's pythonpath)."""
+
+import datetime as dt
+
+
+def sample_row(step: int, group: int, sample: int, run_id: str = "run-a", **over) -> dict:
+    n = 2 + sample  # responses of different lengths
+    row = {
+        "run_id": run_id,
+        "step": step,
+        "group_id": group,
+        "sample_index": sample,
+        "prompt_id": f"add:{group}",
+        "prompt": f"What is {group} + 1?",
+        "label": str(group + 1),
+        "prompt_token_ids": [1, 2, 3, group],
+        "response_token_ids": list(range(10, 10 + n)),
+        "response_text": "x" * n,
+        "rollout_logprobs": [-0.5] * n,
+        "loss_mask": [1] * n,
+        "status": "completed",
+        "finish_reason": "stop",
+        "weight_version": step,
+        "weight_versions": [step],
+        "engine": "embedded-0",
+        "pool": "local",
+        "gen_time_s": 0.25,
+        "created_at": dt.datetime(2025, 1, 2, 3, 4, 5, tzinfo=dt.UTC),
+        "metadata": {"temperature": 0.7},
+    }
+    row.update(over)
+    return row
+
+
+def batch(step: int, groups=(0, 1), samples=2, **over) -> list[dict]:
+    return [sample_row(step, g, s, **over) for g in groups for s in range(samples)]
