@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-from typing import Any
+from typing import Any, TypedDict
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -28,7 +28,9 @@ from sluiceway.storage.tables import (
 
 TRAJECTORIES = "trajectories"
 PARTITION_BY = ["run_id", "step"]
-STATUSES = ("completed", "truncated", "aborted", "failed")
+# A sample's status: finished by a stop token or string, cut at the length limit, aborted (over-sampling surplus
+# or a partial rollout to continue), or failed (the engine gave no usable answer).
+COMPLETED, TRUNCATED, ABORTED, FAILED = STATUSES = ("completed", "truncated", "aborted", "failed")
 SORT_KEYS = [("step", "ascending"), ("group_id", "ascending"), ("sample_index", "ascending")]
 
 TRAJECTORY_SCHEMA = pa.schema(
@@ -61,6 +63,56 @@ TRAJECTORY_SCHEMA = pa.schema(
         pa.field("filter_reason", pa.string()),
     ]
 )
+
+
+
+class TrajectoryRow(TypedDict):
+    """One sample as every stage sees it, from the rollout that builds it to the batch that trains on it; the
+    table's own field names and types (TRAJECTORY_SCHEMA, which a test keeps in step with this)."""
+
+    run_id: str
+    step: int
+    group_id: int
+    sample_index: int
+    prompt_id: str
+    prompt: str
+    label: str | None
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    response_text: str
+    rollout_logprobs: list[float]
+    loss_mask: list[int]
+    reward: float | None
+    reward_details: str | None
+    status: str  # one of STATUSES
+    finish_reason: str
+    weight_version: int
+    weight_versions: list[int]
+    engine: str
+    pool: str
+    gen_time_s: float
+    created_at: _dt.datetime
+    metadata: str
+    filter_reason: str | None
+
+
+def is_finished(row: TrajectoryRow) -> bool:
+    """Generation ended (completed, truncated or failed): the sample can be scored; an aborted one waits."""
+    return row["status"] != ABORTED
+
+
+def is_trainable(row: TrajectoryRow) -> bool:
+    """The one definition of "trained on": finished, and its group kept by every filter (no filter_reason)."""
+    return is_finished(row) and row.get("filter_reason") is None
+
+
+def group_rows(rows: list[TrajectoryRow]) -> dict[int, list[TrajectoryRow]]:
+    """A step's rows by group (prompt instance), in the order they came."""
+    groups: dict[int, list[TrajectoryRow]] = {}
+    for r in rows:
+        groups.setdefault(r["group_id"], []).append(r)
+    return groups
+
 
 # Fields a caller may leave out of a row dict, and what they become.
 _ROW_DEFAULTS: dict[str, Any] = {

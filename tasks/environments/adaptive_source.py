@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+from sluiceway.storage.trajectories import is_finished
 from sluiceway.tasks.environments import parse_spec
 from sluiceway.tasks.environments.curriculum import AdaptiveDifficulty, generate_batch
 
@@ -40,7 +41,7 @@ class AdaptivePromptSource:
         """Feed a step's scored samples to the curriculum once; returns the levels as metrics."""
         if step > self.last_observed_step:
             for r in rows:
-                if r["reward"] is not None and r["status"] != "aborted":
+                if r["reward"] is not None and is_finished(r):
                     self.curriculum.observe(r["metadata"], r["reward"])
             self.last_observed_step = step
             self._save()

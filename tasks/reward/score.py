@@ -19,7 +19,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sluiceway.storage.trajectories import read_trajectories, set_rewards
+from sluiceway.storage.trajectories import is_finished, read_trajectories, set_rewards
 from sluiceway.tasks.reward.verifiers.shaping import length_penalty
 
 # Scorer threads that time out cannot be killed (Python threads); they finish in the background while the
@@ -120,7 +120,7 @@ class RewardResult:
 def score_step(*, store, run_id: str, step: int, settings: RewardSettings) -> RewardResult:
     rows = read_trajectories(store, run_id, step).to_pylist()
     # Aborted rows are unfinished partials: they are scored in the step that completes them.
-    pending = [r for r in rows if r["reward"] is None and r["status"] != "aborted"]
+    pending = [r for r in rows if r["reward"] is None and is_finished(r)]
     results = score_rows(pending, settings)
     updates = [
         (r["group_id"], r["sample_index"], reward, json.dumps(details, default=str))

@@ -5,13 +5,14 @@ from __future__ import annotations
 import pyarrow as pa
 import torch
 
+from sluiceway.storage.trajectories import ABORTED, TRUNCATED, is_trainable
 from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS, group_advantages
 from sluiceway.tasks.train.trainer import TrainSample
 
 
 def trainable_rows(table: pa.Table) -> list[dict]:
     """Finished groups that no filter dropped: the step's training batch."""
-    return [r for r in table.to_pylist() if r["status"] != "aborted" and r.get("filter_reason") is None]
+    return [r for r in table.to_pylist() if is_trainable(r)]
 
 
 def build_train_samples(table: pa.Table, estimator: str, normalize_by_std: bool) -> list[TrainSample]:
@@ -56,13 +57,13 @@ def rollout_metrics(table: pa.Table) -> dict[str, float]:
     return per_pool | {
         "reward_mean": sum(rewards) / n,
         "response_len_mean": sum(lengths) / n,
-        "truncated_frac": sum(r["status"] == "truncated" for r in rows) / n,
+        "truncated_frac": sum(r["status"] == TRUNCATED for r in rows) / n,
         # Groups whose samples all got the same reward carry no GRPO signal.
         "zero_std_group_frac": sum(len(set(v)) == 1 for v in by_group.values()) / max(len(by_group), 1),
         "samples": float(len(rows)),
-        "samples_aborted": float(sum(r["status"] == "aborted" for r in all_rows)),
+        "samples_aborted": float(sum(r["status"] == ABORTED for r in all_rows)),
         "samples_filtered": float(
-            sum(r["status"] != "aborted" and r.get("filter_reason") is not None for r in all_rows)
+            sum(r["status"] != ABORTED and r.get("filter_reason") is not None for r in all_rows)
         ),
     }
 

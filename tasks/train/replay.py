@@ -18,7 +18,7 @@ from deltalake.exceptions import DeltaError
 from sluiceway.infra.errors import UserError
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.tables import open_table, read_table, table_exists
-from sluiceway.storage.trajectories import TRAJECTORIES, read_trajectories
+from sluiceway.storage.trajectories import ABORTED, TRAJECTORIES, read_trajectories
 from sluiceway.tasks.train.batch import build_train_samples, rollout_metrics
 from sluiceway.tasks.train.trainer import TrainSample
 
@@ -83,7 +83,8 @@ def open_source(
     if missing:
         raise UserError(f"--replay-steps: {missing} not stored for run {run_id} in {where} (stored: {stored})")
     # A version taken mid-step can hold rows not scored yet: their group's advantages are unknown.
-    trainable = pc.and_(pc.not_equal(cols.column("status"), "aborted"), pc.is_null(cols.column("filter_reason")))
+    # storage/trajectories.is_trainable as an Arrow expression (the columns only, no row dicts).
+    trainable = pc.and_(pc.not_equal(cols.column("status"), ABORTED), pc.is_null(cols.column("filter_reason")))
     unscored = cols.filter(pc.and_(trainable, pc.is_null(cols.column("reward"))))
     bad = sorted(set(unscored.column("step").to_pylist()) & set(chosen))
     if bad:
