@@ -28,7 +28,7 @@ from sluiceway.models.hf_megatron import hf_to_megatron
 from sluiceway.models.megatron_gpt import allreduce_gradients
 from sluiceway.models.value_model import build_value_model, init_value_head, token_values
 from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS, gae, reinforce_pp_returns, terminal_rewards
-from sluiceway.tasks.train.losses import aggregate, kl_penalty, value_loss
+from sluiceway.tasks.train.losses import kl_penalty, value_objective
 from sluiceway.tasks.train.optim import adamw, step_master_weights
 from sluiceway.tasks.train.parallel import is_tensor_parallel, reduce_step_metrics
 
@@ -222,13 +222,11 @@ class Critic:
         self.model.train()
         sums = {"value_loss": 0.0, "value_clipfrac": 0.0}
         for mb, tg in zip(batches, targets):
-            per_token, clipped = value_loss(
-                self.values(mb), tg.old_values, tg.returns, mb.mask, self.algorithm.value_clip
-            )
-            loss = aggregate(per_token, mb.mask, "token_mean", n_tokens)
+            clip = self.algorithm.value_clip
+            loss, stats = value_objective(self.values(mb), tg.old_values, tg.returns, mb.mask, clip, n_tokens)
             loss.backward()
-            sums["value_loss"] += loss.item()
-            sums["value_clipfrac"] += float(clipped.sum()) / max(n_tokens, 1.0)
+            for k, v in stats.items():
+                sums[k] += v
         sums = reduce_step_metrics(sums)
         sums["critic_lr"] = self.optimizer.param_groups[0]["lr"]
         sums["critic_grad_norm"] = float(self.step())

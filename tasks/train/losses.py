@@ -1,5 +1,11 @@
 """Policy-gradient losses on per-token log-probs. All tensors are [batch, tokens]; mask is 1 on trained tokens.
 
+The objectives, each the whole loss of one micro-batch in one block (what the trainer backpropagates):
+policy_objective: the policy's loss: PPO-clip or GSPO surrogate, TIS, KL loss, entropy bonus, aggregation.
+value_objective: the PPO critic's clipped value loss, token mean.
+sft_objective: SFT's negative log-likelihood, token mean.
+
+Their per-token pieces:
 ppo_clip_loss / ppo_clip_loss_with_stats: PPO clipped surrogate (Schulman et al. 2017), optional decoupled
     eps_low/eps_high (DAPO "clip-higher") and dual clip (Ye et al. 2020).
 gspo_loss: sequence-level importance ratio (Zheng et al. 2025, "Group Sequence Policy Optimization").
@@ -13,7 +19,12 @@ Per-token losses are returned un-masked unless a function takes `mask`; `aggrega
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from sluiceway.flows.config import AlgorithmConfig
 
 
 def ppo_clip_loss_with_stats(
@@ -198,3 +209,93 @@ def aggregate(
         n = float(per_token.shape[0]) if num_seqs is None else num_seqs
         return per_seq.sum() / max(n, 1.0)
     raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The objectives: one micro-batch's scalar loss (to backpropagate) and its statistics
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def policy_objective(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    algorithm: AlgorithmConfig,
+    *,
+    entropy: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    n_tokens: float,
+    n_seqs: float,
+    max_response_len: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The policy's loss on one micro-batch of an optimizer step, and its share of the step's statistics.
+
+    logp, entropy: the policy's, with gradient; old_logp: the behaviour policy's (the trainer's before the step);
+    rollout_logp: the inference engine's; ref_logp: the frozen reference model's (None: no KL term). n_tokens,
+    n_seqs: trained tokens and sequences of the whole optimizer step, all ranks; max_response_len: Dr. GRPO's
+    constant. The micro-batches' losses sum to the step's loss, and their statistics to the step's (token means
+    over the step; logprob_mismatch_max is a max).
+
+        pg   = PPO-clip surrogate (dual clip with eps_clip_c), or GSPO's sequence-ratio surrogate
+        pg  *= TIS weight clamp(exp(old - rollout), tis_clip_low, tis_clip)              if use_tis
+        loss = agg(pg) + kl_loss_coef * agg(KL(policy || ref)) - entropy_coef * agg(entropy)
+    """
+    a = algorithm
+    eps_high = a.eps_clip_high if a.eps_clip_high is not None else a.eps_clip
+    # What the aggregation divides by (see `aggregate`): tokens, sequences, or Dr. GRPO's constant.
+    denom = {"token_mean": n_tokens, "seq_mean_token_mean": n_seqs}.get(a.loss_agg_mode, max_response_len)
+    agg_kw = {"num_seqs": n_seqs} if a.loss_agg_mode == "seq_mean_token_sum_norm" else {}
+
+    def agg(per_token: torch.Tensor) -> torch.Tensor:
+        return aggregate(per_token, mask, a.loss_agg_mode, denom, **agg_kw)
+
+    if a.advantage_estimator == "gspo":
+        pg, clipped = gspo_loss(logp, old_logp, advantages, mask, a.eps_clip, eps_high)
+    else:
+        pg, clipped = ppo_clip_loss(logp, old_logp, advantages, a.eps_clip, eps_high, clip_c=a.eps_clip_c)
+    if a.use_tis:
+        pg = pg * tis_weights(old_logp, rollout_logp, a.tis_clip, a.tis_clip_low)
+    loss = agg(pg)
+    stats = {"pg_loss": loss.item(), "kl": 0.0}
+    if ref_logp is not None:
+        kl = agg(kl_penalty(logp, ref_logp, a.kl_loss_type))
+        loss = loss + a.kl_loss_coef * kl
+        stats["kl"] = kl.item()
+    ent = agg(entropy)
+    if a.entropy_coef:
+        loss = loss - a.entropy_coef * ent
+    # Token-averaged diagnostics over the whole optimizer step.
+    gap = (logp.detach() - rollout_logp).abs() * mask  # training-inference mismatch per token
+    stats |= {
+        "loss": loss.item(),
+        "entropy": ent.item(),
+        "clipfrac": float((clipped * mask).sum()) / max(n_tokens, 1.0),
+        "ratio": float((torch.exp(logp.detach() - old_logp) * mask).sum()) / max(n_tokens, 1.0),
+        "logprob_mismatch": float(gap.sum()) / max(n_tokens, 1.0),
+        "logprob_mismatch_max": float(gap.max()),
+    }
+    return loss, stats
+
+
+def value_objective(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float | None,
+    n_tokens: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The critic's loss on one micro-batch: clipped value loss, token mean over the optimizer step's n_tokens."""
+    per_token, clipped = value_loss(values, old_values, returns, mask, clip)
+    loss = aggregate(per_token, mask, "token_mean", n_tokens)
+    return loss, {"value_loss": loss.item(), "value_clipfrac": float(clipped.sum()) / max(n_tokens, 1.0)}
+
+
+def sft_objective(
+    logp: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor, n_tokens: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """SFT's loss on one micro-batch: negative log-likelihood, token mean over the global batch's n_tokens."""
+    loss = aggregate(sft_loss(logp, mask), mask, "token_mean", n_tokens)
+    return loss, {"loss": loss.item(), "entropy": aggregate(entropy.detach(), mask, "token_mean", n_tokens).item()}

@@ -40,7 +40,7 @@ from sluiceway.models.zoo import load_hf_state_dict
 from sluiceway.tasks.sync.disk import write_weight_version
 from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS
 from sluiceway.tasks.train.critic import Critic, needs_reference, token_advantages
-from sluiceway.tasks.train.losses import aggregate, gspo_loss, kl_penalty, ppo_clip_loss, tis_weights
+from sluiceway.tasks.train.losses import policy_objective, sft_objective
 from sluiceway.tasks.train.optim import adamw, step_master_weights
 from sluiceway.tasks.train.parallel import (
     gather_tensor_parallel,
@@ -333,55 +333,24 @@ class PolicyTrainer:
 
     def _accumulate(self, st: _OptimizerStep, old_logps: list[torch.Tensor] | None) -> dict[str, float]:
         """Forward and backward over this rank's micro-batches of one optimizer step; grads accumulate."""
-        a = self.algorithm
-        eps_high = a.eps_clip_high if a.eps_clip_high is not None else a.eps_clip
-        n_tokens, n_seqs = st.n_tokens, st.n_seqs
-        # What each aggregation divides by (see losses.aggregate): tokens, sequences, or Dr. GRPO's constant.
-        denom = {"token_mean": n_tokens, "seq_mean_token_mean": n_seqs}.get(
-            a.loss_agg_mode, float(self.max_response_len or st.longest)
-        )
-        agg_kw = {"num_seqs": n_seqs} if a.loss_agg_mode == "seq_mean_token_sum_norm" else {}
         self.model.train()
-        sums = dict(
-            loss=0.0,
-            pg_loss=0.0,
-            kl=0.0,
-            entropy=0.0,
-            clipfrac=0.0,
-            ratio=0.0,
-            logprob_mismatch=0.0,
-            logprob_mismatch_max=0.0,
-        )
+        keys = ("loss", "pg_loss", "kl", "entropy", "clipfrac", "ratio", "logprob_mismatch", "logprob_mismatch_max")
+        sums = dict.fromkeys(keys, 0.0)
         for i, mb in enumerate(st.batches):
             logp, entropy = self._logprobs(self.model, mb)
             old = old_logps[i] if old_logps is not None else logp.detach()
-            if a.advantage_estimator == "gspo":
-                pg, clipped = gspo_loss(logp, old, mb.advantages, mb.mask, a.eps_clip, eps_high)
-            else:
-                pg, clipped = ppo_clip_loss(logp, old, mb.advantages, a.eps_clip, eps_high, clip_c=a.eps_clip_c)
-            if a.use_tis:
-                pg = pg * tis_weights(old, mb.rollout_logp, a.tis_clip, a.tis_clip_low)
-            loss = aggregate(pg, mb.mask, a.loss_agg_mode, denom, **agg_kw)
-            sums["pg_loss"] += loss.item()
+            ref_logp = None
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref_logp = self._logprobs(self.ref_model, mb)[0]
-                kl = aggregate(kl_penalty(logp, ref_logp, a.kl_loss_type), mb.mask, a.loss_agg_mode, denom, **agg_kw)
-                loss = loss + a.kl_loss_coef * kl
-                sums["kl"] += kl.item()
-            ent = aggregate(entropy, mb.mask, a.loss_agg_mode, denom, **agg_kw)
-            if a.entropy_coef:
-                loss = loss - a.entropy_coef * ent
+            loss, stats = policy_objective(
+                logp, old, mb.advantages, mb.mask, self.algorithm, entropy=entropy, rollout_logp=mb.rollout_logp,
+                ref_logp=ref_logp, n_tokens=st.n_tokens, n_seqs=st.n_seqs,
+                max_response_len=float(self.max_response_len or st.longest),
+            )  # fmt: skip
             loss.backward()
-            sums["loss"] += loss.item()
-            sums["entropy"] += ent.item()
-            # Token-averaged diagnostics over the whole optimizer step.
-            m = mb.mask
-            sums["clipfrac"] += float((clipped * m).sum()) / max(n_tokens, 1.0)
-            sums["ratio"] += float((torch.exp(logp.detach() - old) * m).sum()) / max(n_tokens, 1.0)
-            gap = (logp.detach() - mb.rollout_logp).abs() * m  # training-inference mismatch per token
-            sums["logprob_mismatch"] += float(gap.sum()) / max(n_tokens, 1.0)
-            sums["logprob_mismatch_max"] = max(sums["logprob_mismatch_max"], float(gap.max()))
+            for k, v in stats.items():
+                sums[k] = max(sums[k], v) if k == "logprob_mismatch_max" else sums[k] + v
         # Each DP rank holds shares of global sums; TP ranks of one DP rank computed the same values.
         return reduce_step_metrics(sums, max_keys=("logprob_mismatch_max",))
 
@@ -509,8 +478,6 @@ class PolicyTrainer:
         batch's trained-token count, so their sum is one token mean however the batch is split. Log-probs are at
         temperature 1 whatever the trainer's sampling temperature. The samples come in the caller's order.
         """
-        from sluiceway.tasks.train.losses import sft_loss  # here: this method is a self-contained addition
-
         t0 = time.perf_counter()
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
         plans = plan_micro_batches(lengths, self.training.micro_batch_size, self.training.max_tokens_per_gpu)
@@ -521,10 +488,10 @@ class PolicyTrainer:
         for p in mine:
             mb = collate([samples[i] for i in p.samples], self.pad_token_id, p.rows).to(self.device)
             logp, entropy = self._logprobs(self.model, mb, temperature=1.0)
-            loss = aggregate(sft_loss(logp, mb.mask), mb.mask, "token_mean", n_tokens)
+            loss, stats = sft_objective(logp, entropy, mb.mask, n_tokens)
             loss.backward()
-            sums["loss"] += loss.item()
-            sums["entropy"] += aggregate(entropy.detach(), mb.mask, "token_mean", n_tokens).item()
+            sums["loss"] += stats["loss"]
+            sums["entropy"] += stats["entropy"]
         sums = reduce_step_metrics(sums)
         if not math.isfinite(sums["loss"]):
             raise FloatingPointError(f"non-finite SFT loss {sums['loss']} at step {step}")
