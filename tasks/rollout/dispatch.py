@@ -9,9 +9,12 @@ none: the run never waits for a slow pool while its own engines can do the work.
 
 The run's own engines ("local") always qualify: the flow updates them itself, before the step's rollout.
 A remote pool that fails a request (its router unreachable, every engine gone) is benched for ``bench_s`` and
-its group goes to another pool. A remote pool that is merely slow is hedged in tasks/rollout/rollout.py: once no
-group waits for a pool, a remote group running twice as long as the median group is also started on the run's
-own engines, and the first copy to finish is kept.
+its group goes to another pool. A remote pool that is merely slow is hedged: once no group waits for a pool, a
+remote group running twice as long as the median group is also started on the run's own engines, and the first
+copy to finish is kept (same rids and seeds: at the same version, the same samples).
+
+The rollout (tasks/rollout/rollout.py) hands each group to :meth:`PoolDispatcher.run`, with a function that
+generates the group on a given pool; where it runs, and how often, is decided here.
 """
 
 from __future__ import annotations
@@ -19,18 +22,54 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+from sluiceway.tasks.rollout.client import EngineCallError, GenerateResult
 
 log = logging.getLogger("sluiceway")
 
 LOCAL = "local"
+T = TypeVar("T")
+
+
+class RolloutClient(Protocol):
+    """What the rollout needs of an engine client (tasks/rollout/client.py's EngineClient; a scripted fake in tests).
+
+    ``generate`` raises EngineCallError when the pool cannot answer (its router unreachable, every engine gone).
+    """
+
+    router_url: str  # names the engines that made a remote pool's rows
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict,
+        rid: str,
+        return_logprob: bool = True,
+        routing_key: str | None = None,
+    ) -> GenerateResult: ...
+
+    async def abort_all(self) -> None:
+        """Every request in flight returns now with the tokens it has (finish_reason "abort")."""
+        ...
+
+
+@dataclass(frozen=True)
+class HedgePolicy:
+    """When a remote group also starts on the run's own engines: after ``factor`` x the median finished group's
+    time, and never before ``min_s``; a remote group is looked at every ``poll_s`` until a group has finished."""
+
+    factor: float = 2.0
+    min_s: float = 1.0
+    poll_s: float = 0.2
 
 
 @dataclass
 class PoolTarget:
     name: str
-    client: object  # EngineClient: generate() through the pool's router
+    client: RolloutClient  # generate() through the pool's router
     capacity: int  # samples in flight at once
     local: bool = False  # the run's own engines: abortable, always current
     # What the pool serves now (None: unknown); remote pools read their agent's report (a blocking call).
@@ -51,14 +90,18 @@ class PoolDispatcher:
         refresh_s: float = 1.0,
         bench_s: float = 30.0,
         wait_s: float = 0.5,
+        hedge: HedgePolicy | None = None,
     ) -> None:
         if not targets:
             raise ValueError("no pool to generate with")
         self.targets = targets
         self.min_version = min_version
         self.refresh_s, self.bench_s, self.wait_s = refresh_s, bench_s, wait_s
+        self.hedge = hedge or HedgePolicy()
         self._changed = asyncio.Condition()
         self._skipped: set[str] = set()  # pools already logged as too stale this rollout
+        self.waiting = 0  # groups handed to run() that hold no pool yet: while one waits, no room is idle
+        self.group_seconds: list[float] = []  # how long finished groups took, this rollout
 
     def qualifies(self, t: PoolTarget, now: float) -> bool:
         if t.local:
@@ -123,3 +166,87 @@ class PoolDispatcher:
     def bench(self, target: PoolTarget, reason: str) -> None:
         target.benched_until = time.monotonic() + self.bench_s
         log.warning("pool %s failed (%s); no new groups for %.0f s", target.name, reason, self.bench_s)
+
+    # --- running a group --------------------------------------------------------------------------------------
+
+    async def run(
+        self,
+        n: int,
+        generate: Callable[[PoolTarget], Awaitable[T]],
+        done: asyncio.Event | None = None,
+        name: str = "group",
+    ) -> tuple[T, PoolTarget]:
+        """``generate(target)`` for one group of ``n`` samples on the pool that takes it; its result and the pool.
+
+        A remote pool that raises EngineCallError is benched and the group goes to another pool (the run's own
+        engines' errors are raised); a slow remote pool is hedged on the run's own engines unless ``done``
+        (the step has enough groups) is set.
+        """
+        self.waiting += 1
+        while True:
+            target = await self.acquire(n)
+            self.waiting -= 1
+            t0 = time.monotonic()
+            try:
+                if target.local:
+                    out = await self._leased(target, n, generate), target
+                else:
+                    out = await self._hedged(target, n, generate, done, name)
+            except EngineCallError as exc:
+                if target.local:
+                    raise
+                self.bench(target, str(exc))  # the group goes to another pool
+                self.waiting += 1
+                continue
+            self.group_seconds.append(time.monotonic() - t0)
+            return out
+
+    async def _leased(self, target: PoolTarget, n: int, generate: Callable[[PoolTarget], Awaitable[T]]) -> T:
+        try:
+            return await generate(target)
+        finally:
+            await self.release(target, n)
+
+    def hedge_after(self) -> float | None:
+        """A remote group running longer than this is also started on the run's own engines (None: not yet)."""
+        if not self.group_seconds:
+            return None
+        median = sorted(self.group_seconds)[len(self.group_seconds) // 2]
+        return max(self.hedge.min_s, self.hedge.factor * median)
+
+    async def _hedged(
+        self,
+        target: PoolTarget,
+        n: int,
+        generate: Callable[[PoolTarget], Awaitable[T]],
+        done: asyncio.Event | None,
+        name: str,
+    ) -> tuple[T, PoolTarget]:
+        """The group on a remote pool; if that pool is slow while the run's own engines are idle, on both, and
+        the first to finish wins."""
+        t0 = time.monotonic()
+        remote = asyncio.ensure_future(self._leased(target, n, generate))
+        while True:
+            limit = self.hedge_after()
+            poll = self.hedge.poll_s
+            wait_s = poll if limit is None else max(poll / 4, t0 + limit - time.monotonic())
+            await asyncio.wait({remote}, timeout=wait_s)
+            if remote.done():
+                return remote.result(), target
+            finished = done is not None and done.is_set()
+            if limit is None or time.monotonic() - t0 < limit or self.waiting or finished:
+                continue
+            if (local := self.try_acquire_local(n)) is not None:
+                break
+        log.info("%s: pool %s slow (%.1f s); generating it on the run's own engines too",
+                 name, target.name, time.monotonic() - t0)  # fmt: skip
+        hedge = asyncio.ensure_future(self._leased(local, n, generate))
+        try:
+            first, _ = await asyncio.wait({remote, hedge}, return_when=asyncio.FIRST_COMPLETED)
+            if remote in first and remote.exception() is None:
+                return remote.result(), target
+            return await hedge, local  # the remote copy failed, or the local one finished first
+        finally:
+            for t in (remote, hedge):
+                t.cancel()
+            await asyncio.gather(remote, hedge, return_exceptions=True)

@@ -13,13 +13,17 @@
   once the step has enough groups they are dropped on our side and stored as aborted; a remote pool that
   fails a request is benched and its group goes elsewhere; a slow one is hedged on the run's own engines.
   Rows record the pool and the versions that made them.
+
+`Rollout` holds one step's rollout: its fields are what the groups share while they run (the count of finished
+groups, the event that cuts the rest short), its methods one group, one pool's samples of it, one sample, and
+the verdict on a generated group. It needs of an engine client only `RolloutClient` (tasks/rollout/dispatch.py),
+so tests drive it with a scripted fake (tests/unit/rollout/). `run_rollout` is the entry point the flows call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import random
 import time
 from collections.abc import Callable
@@ -27,12 +31,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from sluiceway.storage.trajectories import read_trajectories
-from sluiceway.tasks.rollout.client import EngineCallError
-from sluiceway.tasks.rollout.dispatch import LOCAL, PoolDispatcher, PoolTarget
+from sluiceway.tasks.rollout.dispatch import LOCAL, HedgePolicy, PoolDispatcher, PoolTarget, RolloutClient
 from sluiceway.tasks.rollout.multiturn import GenerateContext
 from sluiceway.tasks.rollout.writer import GroupWriter
-
-log = logging.getLogger("sluiceway")
 
 
 @dataclass
@@ -204,9 +205,137 @@ class _Aborted:
     latency_s: float = 0.0
 
 
+class Rollout:
+    """One step's rollout: the planned groups the table does not hold yet, until `groups_needed` have finished.
+
+    `client` reaches the run's own engines; `remote_pools` take groups too while they serve `min_version` or
+    newer (tasks/rollout/dispatch.py picks the pool, benches a failing one and hedges a slow one).
+    `on_progress(finished, needed)` is called as groups finish (a console progress bar, say).
+    """
+
+    def __init__(
+        self,
+        *,
+        client: RolloutClient,
+        store,
+        run_id: str,
+        step: int,
+        work: list[GroupWork],
+        settings: RolloutSettings,
+        decode: Callable[[list[int]], str],
+        group_filter: Callable[[list[dict]], str | None] | None = None,
+        engine: str = "router",
+        on_progress: Callable[[int, int], None] | None = None,
+        remote_pools: list[PoolTarget] = (),
+        min_version: int | None = None,
+        hedge: HedgePolicy | None = None,  # None: dispatch.py's defaults
+    ) -> None:
+        self.client, self.store, self.run_id, self.step = client, store, run_id, step
+        self.work, self.s, self.decode = work, settings, decode
+        self.group_filter, self.engine, self.on_progress = group_filter, engine, on_progress
+        self.min_version = min_version
+        local = PoolTarget(LOCAL, client, settings.max_concurrency, local=True)
+        self.dispatcher = PoolDispatcher([local, *remote_pools], min_version, hedge=hedge)
+        self.writer = GroupWriter(store)
+        # What the groups share while they run:
+        self.enough = asyncio.Event()  # the step has `groups_needed` finished groups: the rest are cut short
+        self.finished = 0  # finished groups in the table (this run and earlier attempts)
+        self.written = 0  # samples this run stored
+        self.aborted_groups = 0
+        self.versions_seen: list[int] = []  # weight versions of the answers so far
+
+    async def run(self) -> RolloutResult:
+        t0 = time.perf_counter()
+        existing = read_trajectories(self.store, self.run_id, self.step).to_pylist()
+        stored = {r["group_id"] for r in existing}
+        finished = {r["group_id"] for r in existing if r["status"] != "aborted" and not r.get("filter_reason")}
+        self.finished = len(finished)
+        todo = [w for w in self.work if w.group_id not in stored]
+        if self.finished >= self.s.groups_needed:
+            self.enough.set()
+        await asyncio.gather(*(self.group(w) for w in todo))
+        return RolloutResult(
+            step=self.step,
+            groups_completed=self.finished,
+            groups_aborted=self.aborted_groups,
+            groups_skipped=len(self.work) - len(todo),
+            samples_written=self.written,
+            gen_time_s=time.perf_counter() - t0,
+        )
+
+    async def group(self, w: GroupWork) -> None:
+        """One group: generated on some pool, judged, stored."""
+        results, target = await self.dispatcher.run(
+            self.s.n_samples, lambda target: self.generate(w, target), self.enough, name=f"group {w.group_id}"
+        )
+        where = self.engine if target.local else target.client.router_url
+        rows = [_row(self.run_id, self.step, w, i, r, self.decode, self.s, where, target.name)
+                for i, r in enumerate(results)]  # fmt: skip
+        await self.judge(rows, results)
+        if await self.writer.write(rows, app_id=f"rollout/{self.run_id}/{self.step}/{w.group_id}"):
+            self.written += len(rows)
+
+    async def generate(self, w: GroupWork, target: PoolTarget) -> list:
+        """The group's samples on one pool; if one fails, the others are cancelled and the error raised."""
+        return await _all_or_none([self.sample(w, i, target) for i in range(self.s.n_samples)])
+
+    async def sample(self, w: GroupWork, i: int, target: PoolTarget):
+        """One sample: a /generate request (or a custom generate function), continuing its partial if any."""
+        s = self.s
+        if self.enough.is_set():
+            return _Aborted(weight_version=self.versions_seen[-1] if self.versions_seen else 0)
+        part = w.partials[i]
+        params = {
+            "max_new_tokens": s.max_new_tokens - len(part.token_ids),
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "stop_token_ids": s.stop_token_ids,
+            "sampling_seed": sample_seed(s.seed, self.step, w.group_id, i),
+        }
+        if params["max_new_tokens"] <= 0:  # nothing left to generate: the partial is already full length
+            return _Aborted(finish_reason="length", weight_version=part.weight_versions[-1])
+        rid, key = request_id(self.run_id, self.step, w.group_id, i), group_key(self.run_id, self.step, w.group_id)
+        if s.custom_generate is not None:
+            ctx = GenerateContext(target.client, s.tokenizer, rid, s.max_new_tokens, routing_key=key)
+            call = s.custom_generate(ctx, w.prompt, params)
+        else:
+            call = target.client.generate(w.prompt.token_ids + part.token_ids, params, rid=rid, routing_key=key)
+        res = await call if target.local else await _unless(self.enough, call)
+        if res is None:  # the step had enough groups first; the remote request is dropped, not waited for
+            return _Aborted(weight_version=target.version or 0)
+        self.versions_seen.append(res.weight_version)
+        return res
+
+    async def judge(self, rows: list[dict], results: list) -> None:
+        """Status and filter reason of a generated group's rows; the step's count of finished groups."""
+        if any(r["status"] == "aborted" for r in rows):
+            # A group is trained on whole or not at all: finished samples of a cut group are kept as
+            # partials too (they carry no further tokens), so the next step sees the group intact.
+            for r in rows:
+                r["status"] = "aborted"
+            self.aborted_groups += 1
+            return
+        reason = self.group_filter(rows) if self.group_filter else None
+        made_by = [r.weight_version for r in results if r.token_ids]
+        if reason is None and self.min_version is not None and made_by and min(made_by) < self.min_version:
+            reason = "stale"  # the pool reported a fresher version than it served
+        if reason is None and self.finished >= self.s.groups_needed:
+            reason = "surplus"  # finished after the step already had enough groups
+        for r in rows:
+            r["filter_reason"] = reason
+        if reason is not None:
+            return
+        self.finished += 1
+        if self.on_progress is not None:
+            self.on_progress(self.finished, self.s.groups_needed)
+        if self.finished >= self.s.groups_needed and not self.enough.is_set():
+            self.enough.set()
+            await self.client.abort_all()  # the engines return what they have for the rest
+
+
 async def run_rollout(
     *,
-    client,
+    client: RolloutClient,
     store,
     run_id: str,
     step: int,
@@ -219,151 +348,22 @@ async def run_rollout(
     remote_pools: list[PoolTarget] = (),
     min_version: int | None = None,
 ) -> RolloutResult:
-    """Generate the planned groups the table does not hold yet; stop when `groups_needed` have finished.
-
-    `client` reaches the run's own engines; `remote_pools` take groups too while they serve `min_version` or
-    newer. `on_progress(finished, needed)` is called as groups finish (a console progress bar, say).
-    """
-    t0 = time.perf_counter()
-    s = settings
-    existing = read_trajectories(store, run_id, step).to_pylist()
-    stored = {r["group_id"] for r in existing}
-    finished_before = {r["group_id"] for r in existing if r["status"] != "aborted" and not r.get("filter_reason")}
-    todo = [w for w in work if w.group_id not in stored]
-    state = {"finished": len(finished_before), "written": 0, "aborted_groups": 0}
-    enough = asyncio.Event()
-    if state["finished"] >= s.groups_needed:
-        enough.set()
-    local = PoolTarget(LOCAL, client, s.max_concurrency, local=True)
-    dispatcher = PoolDispatcher([local, *remote_pools], min_version)
-    versions_seen: list[int] = []
-    writer = GroupWriter(store)
-
-    async def sample(w: GroupWork, i: int, target: PoolTarget):
-        if enough.is_set():
-            return _Aborted(weight_version=versions_seen[-1] if versions_seen else 0)
-        part = w.partials[i]
-        params = {
-            "max_new_tokens": s.max_new_tokens - len(part.token_ids),
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "stop_token_ids": s.stop_token_ids,
-            "sampling_seed": sample_seed(s.seed, step, w.group_id, i),
-        }
-        if params["max_new_tokens"] <= 0:  # nothing left to generate: the partial is already full length
-            return _Aborted(finish_reason="length", weight_version=part.weight_versions[-1])
-        rid, key = request_id(run_id, step, w.group_id, i), group_key(run_id, step, w.group_id)
-        if s.custom_generate is not None:
-            ctx = GenerateContext(target.client, s.tokenizer, rid, s.max_new_tokens, routing_key=key)
-            call = s.custom_generate(ctx, w.prompt, params)
-        else:
-            call = target.client.generate(w.prompt.token_ids + part.token_ids, params, rid=rid, routing_key=key)
-        res = await call if target.local else await _unless(enough, call)
-        if res is None:  # the step had enough groups first; the remote request is dropped, not waited for
-            return _Aborted(weight_version=target.version or 0)
-        versions_seen.append(res.weight_version)
-        return res
-
-    undispatched = [len(todo)]  # groups not on any pool yet: while some wait, no pool's room is idle
-    group_seconds: list[float] = []  # how long finished groups took, this rollout
-
-    async def run_on(w: GroupWork, target: PoolTarget) -> list:
-        try:
-            return await _all_or_none([sample(w, i, target) for i in range(s.n_samples)])
-        finally:
-            await dispatcher.release(target, s.n_samples)
-
-    def hedge_after() -> float | None:
-        """A remote group running longer than this is also started on the run's own engines (None: not yet)."""
-        if not group_seconds:
-            return None
-        return max(1.0, 2.0 * sorted(group_seconds)[len(group_seconds) // 2])
-
-    async def on_remote(w: GroupWork, target: PoolTarget) -> tuple[list, PoolTarget]:
-        """The group on a remote pool; if that pool is slow while the run's own engines are idle, on both, and
-        the first to finish wins (same rids and seeds: at the same version, the same samples)."""
-        t0 = time.monotonic()
-        remote = asyncio.ensure_future(run_on(w, target))
-        while True:
-            limit = hedge_after()
-            wait_s = 0.2 if limit is None else max(0.05, t0 + limit - time.monotonic())
-            await asyncio.wait({remote}, timeout=wait_s)
-            if remote.done():
-                return remote.result(), target
-            if limit is None or time.monotonic() - t0 < limit or undispatched[0] or enough.is_set():
-                continue
-            if (local := dispatcher.try_acquire_local(s.n_samples)) is not None:
-                break
-        log.info("group %d: pool %s slow (%.1f s); generating it on the run's own engines too",
-                 w.group_id, target.name, time.monotonic() - t0)  # fmt: skip
-        hedge = asyncio.ensure_future(run_on(w, local))
-        try:
-            done, _ = await asyncio.wait({remote, hedge}, return_when=asyncio.FIRST_COMPLETED)
-            if remote in done and remote.exception() is None:
-                return remote.result(), target
-            return await hedge, local  # the remote copy failed, or the local one finished first
-        finally:
-            for t in (remote, hedge):
-                t.cancel()
-            await asyncio.gather(remote, hedge, return_exceptions=True)
-
-    async def generate_group(w: GroupWork) -> tuple[list, PoolTarget]:
-        while True:
-            target = await dispatcher.acquire(s.n_samples)
-            undispatched[0] -= 1
-            t0 = time.monotonic()
-            try:
-                if target.local:
-                    out = await run_on(w, target), target
-                else:
-                    out = await on_remote(w, target)
-            except EngineCallError as exc:
-                if target.local:
-                    raise
-                dispatcher.bench(target, str(exc))  # the group goes to another pool
-                undispatched[0] += 1
-                continue
-            group_seconds.append(time.monotonic() - t0)
-            return out
-
-    async def group(w: GroupWork):
-        results, target = await generate_group(w)
-        where = engine if target.local else target.client.router_url
-        rows = [_row(run_id, step, w, i, r, decode, s, where, target.name) for i, r in enumerate(results)]
-        if any(r["status"] == "aborted" for r in rows):
-            # A group is trained on whole or not at all: finished samples of a cut group are kept as
-            # partials too (they carry no further tokens), so the next step sees the group intact.
-            for r in rows:
-                r["status"] = "aborted"
-            state["aborted_groups"] += 1
-        else:
-            reason = group_filter(rows) if group_filter else None
-            made_by = [r.weight_version for r in results if r.token_ids]
-            if reason is None and min_version is not None and made_by and min(made_by) < min_version:
-                reason = "stale"  # the pool reported a fresher version than it served
-            if reason is None and state["finished"] >= s.groups_needed:
-                reason = "surplus"  # finished after the step already had enough groups
-            for r in rows:
-                r["filter_reason"] = reason
-            if reason is None:
-                state["finished"] += 1
-                if on_progress is not None:
-                    on_progress(state["finished"], s.groups_needed)
-                if state["finished"] >= s.groups_needed and not enough.is_set():
-                    enough.set()
-                    await client.abort_all()  # the engines return what they have for the rest
-        if await writer.write(rows, app_id=f"rollout/{run_id}/{step}/{w.group_id}"):
-            state["written"] += len(rows)
-
-    await asyncio.gather(*(group(w) for w in todo))
-    return RolloutResult(
+    """Generate the planned groups the table does not hold yet; stop when `groups_needed` have finished
+    (see :class:`Rollout`)."""
+    return await Rollout(
+        client=client,
+        store=store,
+        run_id=run_id,
         step=step,
-        groups_completed=state["finished"],
-        groups_aborted=state["aborted_groups"],
-        groups_skipped=len(work) - len(todo),
-        samples_written=state["written"],
-        gen_time_s=time.perf_counter() - t0,
-    )
+        work=work,
+        settings=settings,
+        decode=decode,
+        group_filter=group_filter,
+        engine=engine,
+        on_progress=on_progress,
+        remote_pools=remote_pools,
+        min_version=min_version,
+    ).run()
 
 
 async def _unless(event: asyncio.Event, call):
