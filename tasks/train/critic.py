@@ -33,9 +33,9 @@ from sluiceway.tasks.train.optim import adamw, step_master_weights
 from sluiceway.tasks.train.parallel import is_tensor_parallel, reduce_step_metrics
 
 if TYPE_CHECKING:
-    from sluiceway.tasks.train.trainer import _MicroBatch
+    from sluiceway.tasks.train.collation import MicroBatch
 
-LogProbFn = Callable[["_MicroBatch"], torch.Tensor]
+LogProbFn = Callable[["MicroBatch"], torch.Tensor]
 
 
 def needs_reference(a: AlgorithmConfig) -> bool:
@@ -97,7 +97,7 @@ def reward_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, kl
 
 @torch.no_grad()
 def token_advantages(
-    steps: list[list[_MicroBatch]],
+    steps: list[list[MicroBatch]],
     algorithm: AlgorithmConfig,
     policy_logp: LogProbFn,
     ref_logp: LogProbFn | None,
@@ -213,11 +213,11 @@ class Critic:
         """Whether this rollout trains the critic alone (the first num_critic_only_steps rollouts)."""
         return self.rollouts_trained < self.algorithm.num_critic_only_steps
 
-    def values(self, mb: _MicroBatch) -> torch.Tensor:
+    def values(self, mb: MicroBatch) -> torch.Tensor:
         """Per-token values in the micro-batch's per-sample layout [n, w-1], fp32 (differentiable)."""
         return mb.per_sample(token_values(self.model, mb.input_ids, mb.attention_mask, mb.position_ids))
 
-    def train_step(self, batches: list[_MicroBatch], targets: list[ValueTargets], n_tokens: float) -> dict[str, float]:
+    def train_step(self, batches: list[MicroBatch], targets: list[ValueTargets], n_tokens: float) -> dict[str, float]:
         """One optimizer step of the clipped value loss (token mean over the step's trained tokens, all ranks)."""
         self.model.train()
         sums = {"value_loss": 0.0, "value_clipfrac": 0.0}

@@ -32,13 +32,13 @@ from sluiceway.models.megatron_gpt import (  # megatron.core through here: it si
     build_gpt_model,
     init_parallel_state,
     logprobs_at,
-    packed_attention_mask,
     parallel_state,
     token_logprobs_and_entropy,
 )
 from sluiceway.models.zoo import load_hf_state_dict
 from sluiceway.tasks.sync.disk import write_weight_version
 from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS
+from sluiceway.tasks.train.collation import MicroBatch, OptimizerStep, collate, plan_optimizer_steps
 from sluiceway.tasks.train.critic import Critic, needs_reference, token_advantages
 from sluiceway.tasks.train.losses import policy_objective, sft_objective
 from sluiceway.tasks.train.optim import adamw, step_master_weights
@@ -59,111 +59,6 @@ class TrainSample:
     advantage: float
     rollout_logprobs: list[float]  # per response token, from the engine
     reward: float = 0.0  # the token-level estimators (ppo, reinforce_plus_plus) compute advantages from it
-
-
-@dataclass
-class _MicroBatch:
-    """Model inputs plus per-sample loss tensors [n_samples, w-1] (index t scores the token at t+1).
-
-    Unpacked, row i of `input_ids` is sample i, right-padded. Otherwise (packed rows, shared prompts) a row holds
-    several samples back to back, `attention_mask` keeps them apart, and `unpack` maps each per-sample position
-    to its place in the flattened [rows * s] positions, so the losses see the same per-sample layout either way.
-    """
-
-    input_ids: torch.Tensor  # [rows, s]
-    mask: torch.Tensor  # [n, w-1] 1 where the token at t+1 is a trained response token
-    advantages: torch.Tensor  # [n, w-1]
-    rollout_logp: torch.Tensor  # [n, w-1]
-    attention_mask: torch.Tensor | None = None  # [rows, 1, s, s], laid-out rows only
-    unpack: torch.Tensor | None = None  # [n, w-1] long, laid-out rows only
-    rewards: torch.Tensor | None = None  # [n], for the token-level estimators
-    position_ids: torch.Tensor | None = None  # [rows, s] RoPE positions, laid-out rows only
-    targets: torch.Tensor | None = None  # [n, w-1] the token at t+1 of each sample, laid-out rows only
-
-    def to(self, device: torch.device) -> _MicroBatch:
-        return _MicroBatch(**{k: t.to(device) if isinstance(t, torch.Tensor) else t for k, t in vars(self).items()})
-
-    def per_sample(self, x: torch.Tensor) -> torch.Tensor:
-        """Model output [rows, s-1] -> the per-sample layout [n, w-1]."""
-        return x if self.unpack is None else torch.nn.functional.pad(x, (0, 1)).reshape(-1)[self.unpack]
-
-
-def collate(samples: list[TrainSample], pad_id: int, rows: list[list[int]] | None = None) -> _MicroBatch:
-    """Tensors for one micro-batch: one sample per row, or with `rows` (sample indices) several laid out per row.
-
-    In a laid-out row, a sample whose prompt equals that of the sample before it shares that prompt: only its
-    response is laid out, and it continues from the prompt's end (RoPE positions, attention), attending to the
-    prompt and to itself only, so it scores exactly as in a row of its own.
-    """
-    n = len(samples)
-    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-    w = max(lengths)
-    mask = torch.zeros((n, w - 1))
-    adv = torch.zeros((n, w - 1))
-    rlp = torch.zeros((n, w - 1))
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    for i, s in enumerate(samples):
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        # logprob index t predicts token t+1: response token j sits at p+j, predicted at p+j-1.
-        span = slice(p - 1, p - 1 + r)
-        mask[i, span] = torch.tensor(s.loss_mask, dtype=torch.float32)
-        adv[i, span] = s.advantage
-        rlp[i, span] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
-    if rows is None:
-        ids = torch.full((n, w), pad_id, dtype=torch.long)
-        for i, s in enumerate(samples):
-            ids[i, : lengths[i]] = torch.tensor(s.prompt_ids + s.response_ids)
-        return _MicroBatch(ids, mask, adv, rlp, rewards=rewards)
-    layouts = [_lay_out_row([samples[i] for i in row]) for row in rows]
-    width = max(len(tokens) for tokens, *_ in layouts)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    positions = torch.zeros((len(rows), width), dtype=torch.long)
-    segments = torch.full((len(rows), width), -1, dtype=torch.long)
-    members = torch.full((len(rows), width), -1, dtype=torch.long)
-    unpack = torch.zeros((n, w - 1), dtype=torch.long)
-    targets = torch.zeros((n, w - 1), dtype=torch.long)
-    for row_i, (row, (tokens, pos, seg, member, where)) in enumerate(zip(rows, layouts)):
-        k = len(tokens)
-        ids[row_i, :k], positions[row_i, :k] = torch.tensor(tokens), torch.tensor(pos)
-        segments[row_i, :k], members[row_i, :k] = torch.tensor(seg), torch.tensor(member)
-        for i, places in zip(row, where):
-            unpack[i, : lengths[i] - 1] = row_i * width + torch.tensor(places[:-1])
-            targets[i, : lengths[i] - 1] = torch.tensor((samples[i].prompt_ids + samples[i].response_ids)[1:])
-    return _MicroBatch(ids, mask, adv, rlp, packed_attention_mask(segments, members), unpack, rewards,
-                       position_ids=positions, targets=targets)  # fmt: skip
-
-
-def _lay_out_row(samples: list[TrainSample]):
-    """One row's tokens, RoPE positions, segment (prompt group) and member (-1: shared prompt) per token, and per
-    sample the row position of each of its own tokens (prompt then response)."""
-    tokens: list[int] = []
-    pos: list[int] = []
-    seg: list[int] = []
-    member: list[int] = []
-    where: list[list[int]] = []
-    prompt_at = 0
-    for k, s in enumerate(samples):
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        if k == 0 or s.prompt_ids != samples[k - 1].prompt_ids:
-            prompt_at = len(tokens)
-            tokens += s.prompt_ids
-            pos += range(p)
-            seg += [k] * p
-            member += [-1] * p
-        where.append(list(range(prompt_at, prompt_at + p)) + list(range(len(tokens), len(tokens) + r)))
-        tokens += s.response_ids
-        pos += range(p, p + r)
-        seg += [seg[prompt_at]] * r
-        member += [k] * r
-    return tokens, pos, seg, member, where
-
-
-@dataclass
-class _OptimizerStep:
-    batches: list[_MicroBatch]  # this DP rank's share
-    n_tokens: float  # trained tokens of the whole optimizer step, all ranks (the loss normalisers)
-    n_seqs: float
-    longest: float  # most trained tokens in one sample
 
 
 class PolicyTrainer:
@@ -233,7 +128,7 @@ class PolicyTrainer:
         shape = 1.0 - progress if t.lr_decay_style == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
         return floor + (1.0 - floor) * shape
 
-    def _logprobs(self, model, mb: _MicroBatch, temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logprobs(self, model, mb: MicroBatch, temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token (log-prob, entropy) in the micro-batch's per-sample layout [n, w-1], where the loss mask is set
         (zeros elsewhere: no loss reads a log-prob there, so the output layer skips those positions)."""
         temperature = self.temperature if temperature is None else temperature
@@ -248,41 +143,9 @@ class PolicyTrainer:
         zeros = torch.zeros(needed.shape, dtype=logp.dtype, device=logp.device)
         return zeros.index_put((sample, t), logp), zeros.index_put((sample, t), ent)
 
-    def _plan(self, samples: list[TrainSample], step: int) -> list[_OptimizerStep]:
-        """The step's samples, shuffled, as optimizer steps of this DP rank's micro-batches.
-
-        Filters can leave fewer samples than the global batch: the samples are then shared out over as many
-        optimizer steps as they fill micro-batches (at most num_steps_per_rollout).
-        """
-        t = self.training
-        order = list(range(len(samples)))
-        random.Random(t.seed * 1_000_003 + step).shuffle(order)
-        samples = [samples[i] for i in order]
-        mbs = t.micro_batch_size
-        n_micro = math.ceil(len(samples) / mbs)
-        n_steps = min(t.num_steps_per_rollout, n_micro)
-        per_step = math.ceil(n_micro / n_steps) * mbs  # whole micro-batches per optimizer step
-        steps = []
-        for start in range(0, len(samples), per_step):
-            chunk = samples[start : start + per_step]
-            lengths = [len(s.prompt_ids) + len(s.response_ids) for s in chunk]
-            prompts = prompt_lengths = None
-            if t.share_prompts:
-                keys: dict[tuple[int, ...], int] = {}
-                prompts = [keys.setdefault(tuple(s.prompt_ids), len(keys)) for s in chunk]
-                prompt_lengths = [len(s.prompt_ids) for s in chunk]
-            plans = plan_micro_batches(lengths, mbs, t.max_tokens_per_gpu, prompts, prompt_lengths)
-            mine = shard_for_rank(plans, self.dp_size, self.dp_rank)
-            batches = [collate([chunk[i] for i in p.samples], self.pad_token_id, p.rows).to(self.device) for p in mine]
-            steps.append(
-                _OptimizerStep(
-                    batches,
-                    n_tokens=float(sum(sum(s.loss_mask) for s in chunk)),
-                    n_seqs=float(len(chunk)),
-                    longest=float(max(sum(s.loss_mask) for s in chunk)),
-                )
-            )
-        return steps
+    def _plan(self, samples: list[TrainSample], step: int) -> list[OptimizerStep]:
+        return plan_optimizer_steps(samples, step, self.training, self.pad_token_id, self.dp_size, self.dp_rank,
+                                    self.device)  # fmt: skip
 
     def train_rollout(self, samples: list[TrainSample], step: int) -> dict[str, float]:
         """num_steps_per_rollout optimizer steps over one rollout's samples; returns averaged metrics.
@@ -331,7 +194,7 @@ class PolicyTrainer:
         }
         return out | token_metrics
 
-    def _accumulate(self, st: _OptimizerStep, old_logps: list[torch.Tensor] | None) -> dict[str, float]:
+    def _accumulate(self, st: OptimizerStep, old_logps: list[torch.Tensor] | None) -> dict[str, float]:
         """Forward and backward over this rank's micro-batches of one optimizer step; grads accumulate."""
         self.model.train()
         keys = ("loss", "pg_loss", "kl", "entropy", "clipfrac", "ratio", "logprob_mismatch", "logprob_mismatch_max")
@@ -354,7 +217,7 @@ class PolicyTrainer:
         # Each DP rank holds shares of global sums; TP ranks of one DP rank computed the same values.
         return reduce_step_metrics(sums, max_keys=("logprob_mismatch_max",))
 
-    def _optimizer_step(self, st: _OptimizerStep, old_logps: list[torch.Tensor] | None) -> dict[str, float]:
+    def _optimizer_step(self, st: OptimizerStep, old_logps: list[torch.Tensor] | None) -> dict[str, float]:
         sums = self._accumulate(st, old_logps)
         sums["lr"] = self.optimizer.param_groups[0]["lr"]
         allreduce_gradients(self.model)
