@@ -6,7 +6,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.sluiceway-installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-avx2 test-all lint clean bench-trl
+.PHONY: install demo test test-fast test-avx2 test-all lint clean bench-trl
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	@if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
 		apt-get install -y -q chromium >/dev/null 2>&1 || \
 		{ apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; } || \
-		echo "warning: could not install chromium with apt-get; tests/test_ui.py will be skipped"; \
+		echo "warning: could not install chromium with apt-get; tests/integration/test_ui.py will be skipped"; \
 	fi
 	touch $(STAMP)
 
@@ -32,12 +32,20 @@ demo: install
 # The CPU fast-path tests once more as an AVX2-only CPU runs them (no AVX-512, no native bf16): torch and oneDNN
 # take their AVX2 kernels, so a path that needs AVX-512 fails here even on a machine that has it (docs/design.md).
 AVX2_ONLY := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
-FAST_PATH_TESTS := tests/test_engine.py tests/test_cpu_fast_paths.py tests/test_trainer.py tests/test_precision.py \
-	tests/test_megatron_parity.py
+FAST_PATH_TESTS := tests/unit/engine/test_engine.py tests/unit/train/test_cpu_fast_paths.py \
+	tests/unit/train/test_trainer.py tests/unit/config/test_precision.py tests/integration/test_precision_probe.py \
+	tests/unit/models/test_megatron_parity.py tests/integration/test_megatron_tp2.py \
+	tests/integration/test_engine_server.py
 
+# Both tiers, tests/unit and tests/integration (what starts engines, a router, torchrun or spawned process groups,
+# Prefect, the CLI, the sandbox or a browser), then the fast paths again under AVX2. CI (.ci/run) calls this.
 test: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-avx2
+
+# The unit tier alone (no process started but the session's SeaweedFS for the store fixture's s3 variant).
+test-fast: install
+	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
 test-avx2: install
 	$(AVX2_ONLY) $(PY) -m pytest -q -m "not slow" -p no:cacheprovider $(FAST_PATH_TESTS)

@@ -14,13 +14,10 @@ import sys
 import time
 import uuid
 
-import httpx
 import pytest
 from cli_run import BATCH, SCORER, N, run_cli
 from process_tags import processes_tagged
 
-from sluiceway.flows.retry import is_transient
-from sluiceway.infra.errors import UserError
 from sluiceway.storage.metrics import metrics_frame
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.stages import finished_stages
@@ -119,41 +116,7 @@ def test_fully_async_stays_within_max_staleness(tmp_path):
     assert any(m.loc[k + 1, "time/rollout_start"] < m.loc[k, "time/train_end"] for k in range(3))
 
 
-def test_which_failures_are_retried():
-    assert is_transient(httpx.ConnectError("refused"))
-    assert is_transient(ConnectionResetError())
-    request = httpx.Request("POST", "http://127.0.0.1:1/generate")
-    assert is_transient(httpx.HTTPStatusError("503", request=request, response=httpx.Response(503, request=request)))
-    bad_request = httpx.Response(400, request=request)
-    assert not is_transient(httpx.HTTPStatusError("400", request=request, response=bad_request))
-    assert not is_transient(UserError("bad data file"))
-    assert not is_transient(ValueError("a bug"))
-    try:
-        try:
-            raise TimeoutError("engine slow")
-        except TimeoutError as e:
-            raise RuntimeError("rollout failed") from e
-    except RuntimeError as wrapped:
-        assert is_transient(wrapped)  # the cause decides
-
-
 @pytest.mark.parametrize("ref", ["missing-run"])
 def test_resume_of_an_unknown_run_is_one_line(tmp_path, ref):
     out = cli("resume", ref, "--runs-root", str(tmp_path))
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "no run 'missing-run'" in out.stderr
-
-
-def test_progress_line_draws_only_on_a_terminal():
-    import io
-
-    from sluiceway.flows.console import ProgressLine
-
-    class Tty(io.StringIO):
-        def isatty(self):
-            return True
-
-    tty, pipe = Tty(), io.StringIO()
-    ProgressLine(tty).update("rollout step 2", 3, 4)
-    ProgressLine(pipe).update("rollout step 2", 3, 4)
-    ProgressLine(Tty(), enabled=False).update("x", 1, 2)
-    assert "[##################......] 3/4" in tty.getvalue() and pipe.getvalue() == ""

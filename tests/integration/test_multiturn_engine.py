@@ -1,14 +1,12 @@
-"""Custom multi-turn generation through a real engine, and the calculator tool of examples/."""
+"""Custom multi-turn generation through a real router and engine: the engine's tokens are kept, the
+environment's are masked."""
 
 import asyncio
-import importlib.util
 import os
 
-import pytest
 import torch
-from paths import DATA, ROOT
+from paths import DATA
 
-from sluiceway.infra.errors import UserError
 from sluiceway.infra.pool import EnginePool
 from sluiceway.infra.router import SGLangRouter
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
@@ -92,30 +90,3 @@ def test_two_turns_keep_engine_tokens_and_mask_the_environment(tmp_path):
         lp = token_logprobs(trainer.model, batch.input_ids)
     m = batch.mask.bool()
     assert float((lp[m] - batch.rollout_logp[m]).abs().max()) <= 1e-4
-
-
-def test_custom_generate_path_errors_are_one_line():
-    with pytest.raises(UserError, match="not found"):
-        load_custom_generate("nope.py:generate")
-    with pytest.raises(UserError, match="must be an async function"):
-        load_custom_generate(f"{DATA / 'noise_rewards.py'}:vowel_share")
-
-
-@pytest.fixture(scope="module")
-def calculator():
-    spec = importlib.util.spec_from_file_location("calculator_tool", ROOT / "examples" / "calculator_tool.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.mark.parametrize("expr,want", [("3*4", "12"), ("(2+3)*-2", "-10"), ("7/2", "3.5"), ("1/0", "error")])
-def test_calculator_evaluates_arithmetic(calculator, expr, want):
-    assert calculator.calculate(expr).startswith(want)
-
-
-@pytest.mark.parametrize(
-    "expr", ["__import__('os').system('true')", "open('/etc/passwd')", "2**999999", "x+1", "9" * 300]
-)
-def test_calculator_refuses_anything_else(calculator, expr):
-    assert calculator.calculate(expr).startswith("error")

@@ -18,62 +18,14 @@ import time
 import pytest
 from cli_run import BATCH, N, run_cli
 
-from sluiceway.flows.config import RunConfig
 from sluiceway.flows.pools import PoolsFile, PoolSpec, local_pools
-from sluiceway.flows.rl import pool_min_version
 from sluiceway.infra.proc import free_port
 from sluiceway.models.zoo import resolve_checkpoint
 from sluiceway.storage.metrics import metrics_frame
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.trajectories import read_trajectories
 from sluiceway.storage.weights import WeightStore
-from sluiceway.tasks.rollout.dispatch import LOCAL, PoolDispatcher, PoolTarget
-
-
-def targets(**versions) -> list[PoolTarget]:
-    out = [PoolTarget(LOCAL, client=None, capacity=8, local=True)]
-    for name, v in versions.items():
-        out.append(PoolTarget(name, client=None, capacity=8, version=v))
-    return out
-
-
-def test_dispatch_rules():
-    t = targets(east=3, west=1, unknown=None)
-    d = PoolDispatcher(t, min_version=2)
-    assert [x.name for x in t if d.qualifies(x, 0.0)] == ["local", "east"]
-    assert d.pick(4).name == "local"  # equal room: the run's own engines first
-    t[0].in_flight = 6
-    assert d.pick(4).name == "east"  # more room
-    d.bench(t[1], "router unreachable")
-    assert d.pick(4) is None  # local has 2 free of 8: a group of 4 waits
-    assert d.pick(2).name == "local"
-    t[0].in_flight = 0
-    assert d.pick(12).name == "local"  # a group larger than a pool's capacity runs alone on it
-
-
-def test_acquire_waits_for_room_and_reads_versions():
-    async def scenario():
-        reads = []
-        west = PoolTarget("west", client=None, capacity=4, read_version=lambda: reads.append(1) or 5)
-        local = PoolTarget(LOCAL, client=None, capacity=4, local=True)
-        d = PoolDispatcher([local, west], min_version=5, refresh_s=0.0, wait_s=5.0)
-        first, second = await d.acquire(4), await d.acquire(4)
-        assert {first.name, second.name} == {"local", "west"} and west.version == 5 and reads
-        third = asyncio.ensure_future(d.acquire(4))
-        await asyncio.sleep(0.05)
-        assert not third.done()  # no room anywhere
-        await d.release(first, 4)
-        assert (await asyncio.wait_for(third, 1.0)) is first  # a release wakes the waiter at once
-
-    asyncio.run(scenario())
-
-
-def test_min_version_per_mode():
-    cfg = RunConfig.model_validate({"data": {"prompt_data": "env:arithmetic"}})
-    assert pool_min_version(cfg, 5, engines_version=5) == 5  # sync: as current as the run's engines
-    cfg.rollout.mode, cfg.rollout.max_staleness = "fully-async", 2
-    assert pool_min_version(cfg, 5, engines_version=4) == 3  # trained at v5: up to 2 behind
-    assert pool_min_version(cfg, 5, engines_version=1) == 1  # never stricter than the run's own engines
+from sluiceway.tasks.rollout.dispatch import PoolTarget
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ import pytest
 from sluiceway.infra.pool import EnginePool
 from sluiceway.infra.router import SGLangRouter
 from sluiceway.models.zoo import resolve_checkpoint
-from sluiceway.tasks.rollout.client import EngineCallError, EngineClient, GenerateResult, parse_generate_response
+from sluiceway.tasks.rollout.client import EngineCallError, EngineClient, GenerateResult
 
 VOCAB_GUARD = 1 << 20  # token ids must be plain non-negative ints below any real vocabulary size
 
@@ -68,24 +68,6 @@ def check_well_formed(res: GenerateResult, max_new_tokens: int) -> None:
     assert res.finish_reason in ("stop", "length")
     assert res.prompt_tokens == 4
     assert res.latency_s > 0
-
-
-def test_parse_generate_response():
-    body = {
-        "text": "x",
-        "output_ids": [7, 8],
-        "meta_info": {
-            "finish_reason": {"type": "stop", "matched": 8},
-            "output_token_logprobs": [[-0.5, 7, None], [-1.5, 8, None]],
-            "weight_version": "default",  # SGLang's value before any update
-            "prompt_tokens": 3,
-        },
-    }
-    r = parse_generate_response(body, "r", 3, 0.1)
-    assert (r.token_ids, r.logprobs, r.finish_reason, r.weight_version) == ([7, 8], [-0.5, -1.5], "stop", 0)
-    body["meta_info"]["output_token_logprobs"] = body["meta_info"]["output_token_logprobs"][:1]
-    with pytest.raises(EngineCallError, match="2 output ids but 1 logprobs"):
-        parse_generate_response(body, "r", 3, 0.1)
 
 
 def test_generate_through_router_uses_both_engines(stack):

@@ -10,9 +10,7 @@ import httpx
 import pytest
 import torch
 
-from sluiceway.flows.config import RunConfig
-from sluiceway.flows.pools import PoolsFile, PoolSpec, load_pools, local_pools
-from sluiceway.infra.errors import UserError
+from sluiceway.flows.pools import PoolsFile, PoolSpec, local_pools
 from sluiceway.models.zoo import resolve_checkpoint
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.weights import WeightPublisher, WeightStore, materialize
@@ -90,55 +88,6 @@ def test_pools_pull_deltas_and_refuse_a_corrupted_one(s3_server, tmp_path, monke
             assert "v3" in p.agent.error and repr(name) in p.agent.error
             assert_pool_serves(p, 2)
             assert json.loads(p.agent.status_path.read_text())["error"] == p.agent.error
-
-
-def test_pools_yaml(tmp_path):
-    f = tmp_path / "pools.yaml"
-    f.write_text("- {name: a, model: tiny-llama, num_engines: 2, weights_uri: /tmp/w}\n")
-    assert load_pools(f).pools[0].num_engines == 2
-    f.write_text("seaweedfs: {}\npools:\n  - {name: a, region: eu, model: m, weights_uri: s3://b/w}\n")
-    spec = load_pools(f)
-    assert spec.seaweedfs is not None and spec.pools[0].region == "eu"
-    f.write_text("- {name: a, model: m, weights_uri: w, num_engine: 2}\n")
-    with pytest.raises(UserError, match="num_engine"):
-        load_pools(f)
-    f.write_text("- {name: a, model: m, weights_uri: w}\n- {name: a, model: m, weights_uri: w}\n")
-    with pytest.raises(UserError, match="unique"):
-        load_pools(f)
-
-
-def test_weights_uri_default(tmp_path):
-    cfg = RunConfig.model_validate({"data": {"prompt_data": "env:arithmetic"}})
-    cfg.storage.output_dir = str(tmp_path / "run")
-    assert cfg.weights_uri == str(tmp_path / "run" / "weight_store")
-    cfg.storage.storage_uri = "s3://bucket/root/"
-    assert cfg.weights_uri == f"s3://bucket/root/weights/{cfg.run_id}"
-    cfg.sync.weights_uri = "s3://elsewhere/w"
-    assert cfg.weights_uri == "s3://elsewhere/w"
-
-
-@pytest.mark.parametrize("bf16", [False, True])
-def test_published_dtype_follows_the_training_dtype(tmp_path, bf16):
-    """The trainer writes fp32 masters in a --bf16 run too; the run publishes what its engines serve."""
-    from types import SimpleNamespace
-
-    from safetensors.torch import save_file
-
-    from sluiceway.flows.runtime import Runtime
-
-    cfg = RunConfig.model_validate({"data": {"prompt_data": "env:arithmetic"}, "training": {"bf16": bf16}})
-    cfg.storage.output_dir = str(tmp_path / "run")
-    hf = tmp_path / "weights" / "v000001"
-    hf.mkdir(parents=True)
-    (hf / "config.json").write_text("{}")
-    save_file({"w": torch.randn(8, 8), "ids": torch.arange(4)}, hf / "model.safetensors")
-    rt = SimpleNamespace(cfg=cfg, _publisher=None, trainer=SimpleNamespace(weight_version=1))
-    Runtime._publish_weights(rt, hf)
-    m = WeightStore(ObjectStore.from_uri(cfg.weights_uri)).manifest(1)
-    assert {k: e.dtype for k, e in m.tensors.items()} == {"w": "BF16" if bf16 else "F32", "ids": "I64"}
-    # ... and its config says so: an engine loading with dtype "auto" serves the published dtype, not fp32.
-    published = json.loads(WeightStore(ObjectStore.from_uri(cfg.weights_uri)).read_file(1, "config.json"))
-    assert published == ({"torch_dtype": "bfloat16"} if bf16 else {})
 
 
 @pytest.mark.slow  # a whole run: about 70 s on 2 busy cores
