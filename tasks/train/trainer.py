@@ -8,10 +8,7 @@ Weights leave the trainer in HF names, from the fp32 masters.
 
 from __future__ import annotations
 
-import json
 import math
-import random
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +35,7 @@ from sluiceway.models.megatron_gpt import (  # megatron.core through here: it si
 from sluiceway.models.zoo import load_hf_state_dict
 from sluiceway.tasks.sync.disk import write_weight_version
 from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS
+from sluiceway.tasks.train.checkpoint import load_checkpoint, save_checkpoint
 from sluiceway.tasks.train.collation import MicroBatch, OptimizerStep, collate, plan_optimizer_steps
 from sluiceway.tasks.train.critic import Critic, needs_reference, token_advantages
 from sluiceway.tasks.train.losses import policy_objective, sft_objective
@@ -273,66 +271,12 @@ class PolicyTrainer:
         return write_weight_version(state, Path(hf_dir), Path(root), self.weight_version, dtype=dtype)
 
     def save(self, path: str | Path, step: int) -> None:
-        """Checkpoint directory: per TP rank the model shard, optimizer, LR schedule, RNG states; a meta.json.
-
-        A collective (every rank calls it). DP replicas hold the same state, so only DP rank 0 writes. The new
-        directory is complete before it replaces the old one, so a crash mid-save leaves the previous checkpoint.
-        """
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        if self.dp_rank == 0:
-            tmp.mkdir(parents=True, exist_ok=True)
-            state = {
-                "model": self.master_state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-                "weight_version": self.weight_version,
-                "step": step,
-                "critic": None if self.critic is None else self.critic.state_dict(),
-            }
-            torch.save(state, tmp / f"tp{self.tp_rank}.pt")
-        _barrier()
-        if torch.distributed.get_rank() == 0:
-            meta = {"step": step, "weight_version": self.weight_version, "tensor_parallel": self.tp_size}
-            (tmp / "meta.json").write_text(json.dumps(meta))
-            old = path.with_name(path.name + ".old")
-            if path.exists():
-                path.rename(old)
-            tmp.rename(path)
-            if old.exists():
-                shutil.rmtree(old)
-        _barrier()
+        """Write a checkpoint directory (a collective; see tasks/train/checkpoint.py)."""
+        save_checkpoint(self, path, step)
 
     def load(self, path: str | Path) -> int:
         """Restore a checkpoint written by `save` with the same tensor-parallel size; returns its step."""
-        path = Path(path)
-        meta = json.loads((path / "meta.json").read_text())
-        if meta["tensor_parallel"] != self.tp_size:
-            raise RuntimeError(
-                f"{path}: checkpoint was written with tensor_model_parallel_size={meta['tensor_parallel']}, "
-                f"this trainer has {self.tp_size}"
-            )
-        state = torch.load(path / f"tp{self.tp_rank}.pt", map_location="cpu", weights_only=False)
-        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise RuntimeError(
-                f"{path}: checkpoint does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
-            )
-        with torch.no_grad():
-            for n, m in zip(self.param_names, self.master):
-                m.copy_(state["model"][n])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        if self.critic is not None:
-            if state.get("critic") is None:
-                raise RuntimeError(f"{path}: checkpoint has no critic (advantage_estimator ppo needs one)")
-            self.critic.load_state_dict(state["critic"])
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        self.weight_version = state["weight_version"]
-        return state["step"]
+        return load_checkpoint(self, path)
 
     def train_sft(self, samples: list[TrainSample], step: int) -> dict[str, float]:
         """One SFT optimizer step over a global batch: NLL of the trained tokens, token-mean over the whole batch.
@@ -365,8 +309,3 @@ class PolicyTrainer:
         sums["tokens"] = n_tokens
         sums["tokens_per_s"] = n_tokens / (time.perf_counter() - t0)
         return sums
-
-
-def _barrier() -> None:
-    if torch.distributed.get_world_size() > 1:
-        torch.distributed.barrier()

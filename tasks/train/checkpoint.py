@@ -1,0 +1,91 @@
+"""Trainer checkpoints on local disk: what a checkpoint directory holds, written and read back.
+
+    <dir>/tp<r>.pt     per tensor-parallel rank: fp32 master weights (megatron names), optimizer, LR schedule,
+                       RNG states, weight version, step, and the PPO critic's state (or None)
+    <dir>/meta.json    {"step", "weight_version", "tensor_parallel"}
+
+`PolicyTrainer.save`/`load` call these. Copying a finished directory to the object store and back (so a run
+resumes elsewhere) is storage/checkpoints.py's job; this module never touches the store.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from sluiceway.tasks.train.trainer import PolicyTrainer
+
+
+def save_checkpoint(trainer: PolicyTrainer, path: str | Path, step: int) -> None:
+    """Checkpoint directory: per TP rank the model shard, optimizer, LR schedule, RNG states; a meta.json.
+
+    A collective (every rank calls it). DP replicas hold the same state, so only DP rank 0 writes. The new
+    directory is complete before it replaces the old one, so a crash mid-save leaves the previous checkpoint.
+    """
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    if trainer.dp_rank == 0:
+        tmp.mkdir(parents=True, exist_ok=True)
+        state = {
+            "model": trainer.master_state_dict(),
+            "optimizer": trainer.optimizer.state_dict(),
+            "scheduler": trainer.scheduler.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            "weight_version": trainer.weight_version,
+            "step": step,
+            "critic": None if trainer.critic is None else trainer.critic.state_dict(),
+        }
+        torch.save(state, tmp / f"tp{trainer.tp_rank}.pt")
+    _barrier()
+    if torch.distributed.get_rank() == 0:
+        meta = {"step": step, "weight_version": trainer.weight_version, "tensor_parallel": trainer.tp_size}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        old = path.with_name(path.name + ".old")
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        if old.exists():
+            shutil.rmtree(old)
+    _barrier()
+
+
+def load_checkpoint(trainer: PolicyTrainer, path: str | Path) -> int:
+    """Restore a checkpoint written by `save_checkpoint` with the same tensor-parallel size; returns its step."""
+    path = Path(path)
+    meta = json.loads((path / "meta.json").read_text())
+    if meta["tensor_parallel"] != trainer.tp_size:
+        raise RuntimeError(
+            f"{path}: checkpoint was written with tensor_model_parallel_size={meta['tensor_parallel']}, "
+            f"this trainer has {trainer.tp_size}"
+        )
+    state = torch.load(path / f"tp{trainer.tp_rank}.pt", map_location="cpu", weights_only=False)
+    missing, unexpected = trainer.model.load_state_dict(state["model"], strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise RuntimeError(
+            f"{path}: checkpoint does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
+    with torch.no_grad():
+        for n, m in zip(trainer.param_names, trainer.master):
+            m.copy_(state["model"][n])
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.scheduler.load_state_dict(state["scheduler"])
+    if trainer.critic is not None:
+        if state.get("critic") is None:
+            raise RuntimeError(f"{path}: checkpoint has no critic (advantage_estimator ppo needs one)")
+        trainer.critic.load_state_dict(state["critic"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    trainer.weight_version = state["weight_version"]
+    return state["step"]
+
+
+def _barrier() -> None:
+    if torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
