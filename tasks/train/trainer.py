@@ -39,6 +39,7 @@ from sluiceway.tasks.train.checkpoint import load_checkpoint, save_checkpoint
 from sluiceway.tasks.train.collation import MicroBatch, OptimizerStep, collate, plan_optimizer_steps
 from sluiceway.tasks.train.critic import Critic, needs_reference, token_advantages
 from sluiceway.tasks.train.losses import policy_objective, sft_objective
+from sluiceway.tasks.train.lr_schedule import lr_schedule
 from sluiceway.tasks.train.optim import adamw, step_master_weights
 from sluiceway.tasks.train.parallel import (
     gather_tensor_parallel,
@@ -105,26 +106,14 @@ class PolicyTrainer:
             load_hf_weights(self.ref_model, hf_state, self.hf_config)
             self.ref_model.eval().requires_grad_(False)
         self.optimizer = adamw(self.master, training)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.lr_factor = lr_schedule(training, total_iters)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_factor)
         self.tp_flags = [is_tensor_parallel(p) for p in params]
         self.weight_version = 0
         # PPO's value model: a GPTModel of its own from the same weights, with a scalar head and its own AdamW.
         self.critic = None
         if algorithm.advantage_estimator == "ppo":
-            self.critic = Critic(self.hf_config, hf_state, training, algorithm, self.device, self._lr_factor)
-
-    def _lr_factor(self, it: int) -> float:
-        """Multiplier of lr at optimizer step `it`: linear warmup, then constant, linear or cosine decay."""
-        t = self.training
-        if t.lr_warmup_iters and it < t.lr_warmup_iters:
-            return (it + 1) / t.lr_warmup_iters
-        if t.lr_decay_style == "constant":
-            return 1.0
-        total = (t.lr_decay_iters or self.total_iters or 1) - t.lr_warmup_iters
-        progress = min(max(it - t.lr_warmup_iters, 0) / max(total, 1), 1.0)
-        floor = t.min_lr / t.lr
-        shape = 1.0 - progress if t.lr_decay_style == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-        return floor + (1.0 - floor) * shape
+            self.critic = Critic(self.hf_config, hf_state, training, algorithm, self.device, self.lr_factor)
 
     def _logprobs(self, model, mb: MicroBatch, temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token (log-prob, entropy) in the micro-batch's per-sample layout [n, w-1], where the loss mask is set
