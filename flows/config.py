@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from datetime import datetime
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
@@ -428,6 +428,9 @@ class RunConfig(_Group):
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
+    # Whose invariants a validation without a context checks (a flow's typed parameter, say): see EvalRunConfig.
+    invariants_of: ClassVar[str] = "run"
+
     @property
     def eval_sets(self) -> list[tuple[str, str]]:
         """(name, source) pairs of eval_prompt_data."""
@@ -443,7 +446,7 @@ class RunConfig(_Group):
             return self._check_sft_invariants()  # the rollout and reward settings play no part in SFT
         # Which command the config is for (validation context, see validate_for): replay trains from a stored
         # table and eval only samples, so neither needs prompt_data.
-        command = (info.context or {}).get("command", "run")
+        command = (info.context or {}).get("command", self.invariants_of)
         rp = self.replay
         if rp.replay_version is not None and rp.replay_timestamp is not None:
             raise ValueError("replay_version and replay_timestamp both pick the table version: give one")
@@ -603,6 +606,19 @@ def load_yaml(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise UserError(f"{p}: expected a mapping of config groups at the top level")
     return data
+
+
+class EvalRunConfig(RunConfig):
+    """The run config checked as `sluiceway eval` checks it (eval sets required, no prompt data): the eval flow's
+    parameter type, so its deployment's form in the Prefect UI is the typed config, as the RL flow's is."""
+
+    invariants_of: ClassVar[str] = "eval"
+
+
+class ReplayRunConfig(RunConfig):
+    """The run config checked as `sluiceway replay` checks it (a stored run to replay, no prompt data)."""
+
+    invariants_of: ClassVar[str] = "replay"
 
 
 def validate_for(config: RunConfig | dict, command: str) -> RunConfig:

@@ -21,7 +21,7 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from sluiceway.flows.config import RunConfig, validate_for
+from sluiceway.flows.config import EvalRunConfig, RunConfig, validate_for
 from sluiceway.flows.engines import RolloutEngines
 from sluiceway.flows.precision import resolve_precision
 from sluiceway.flows.runtime import (
@@ -128,8 +128,8 @@ def format_set(name: str, m: dict[str, float]) -> str:
 
 
 @flow(name="sluiceway-eval", log_prints=False)
-def eval_flow(config: dict) -> dict:
-    """Evaluate `config`'s hf_checkpoint on its eval sets (a RunConfig as a dict)."""
+def eval_flow(config: EvalRunConfig) -> dict:
+    """Evaluate `config`'s hf_checkpoint on its eval sets (typed so the UI shows the config's form)."""
     cfg = resolve_precision(validate_for(config, "eval"))  # auto -> bf16/fp32 (a UI run starts here)
     prep = _PREPARED.pop(cfg.run_id, None) or prepare_eval(cfg)
     run_dir = Path(cfg.storage.output_dir).resolve()

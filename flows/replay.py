@@ -35,7 +35,7 @@ import torch
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from sluiceway.flows.config import RunConfig, validate_for
+from sluiceway.flows.config import ReplayRunConfig, RunConfig, validate_for
 from sluiceway.flows.precision import resolve_precision
 from sluiceway.infra.errors import UserError
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
@@ -173,8 +173,8 @@ def format_step(step: int, i: int, total: int, m: dict) -> str:
 
 
 @flow(name="sluiceway-replay", log_prints=False)
-def replay_flow(config: dict) -> dict:
-    """Train on the stored trajectories `config.replay` names (a RunConfig as a dict), from the last checkpoint."""
+def replay_flow(config: ReplayRunConfig) -> dict:
+    """Train on the stored trajectories `config.replay` names, from the last checkpoint (typed: the UI's form)."""
     cfg = resolve_precision(validate_for(config, "replay"))  # auto -> bf16/fp32 (a UI run starts here)
     if not cfg.algorithm.use_tis:
         log.warning("replay without use_tis: the stored samples are trained as if the current policy made them")
