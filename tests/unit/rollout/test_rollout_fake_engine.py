@@ -1,7 +1,8 @@
 """The step's rollout (tasks/rollout/rollout.py: Rollout) driven by a scripted engine client, writing real Delta
 tables in tmp_path: over-sampling with a filter, abort with partial tokens, continuing a partial rollout, a dead
-remote pool and a hedged slow one, each in well under a second. tests/test_rollout.py and
-tests/test_pool_rollouts.py run the same paths through real routers and engines.
+remote pool and a hedged slow one, a multi-turn generate function, each in well under a second.
+tests/integration/test_rollout.py, test_pool_rollouts.py and test_multiturn_engine.py run the same paths through
+real routers and engines.
 """
 
 from __future__ import annotations
@@ -241,3 +242,25 @@ def test_a_pool_serving_an_older_version_than_it_reported_is_filtered_as_stale(s
     )
     reasons = {r["pool"]: r["filter_reason"] for r in read_trajectories(store, "r", 0).to_pylist()}
     assert reasons == {"local": None, "behind": "stale"} and result.groups_completed == 1
+
+
+def test_a_custom_generate_function_drives_the_engine_turn_by_turn(store):
+    async def agent(ctx, prompt, params):
+        buf = ctx.new_buffer(prompt.token_ids)
+        await ctx.generate(buf, params)
+        buf.add_env([7, 7])  # a tool's answer: not trained on
+        await ctx.generate(buf, params)
+        return buf
+
+    s = settings(groups_needed=1, groups_submitted=1, max_new_tokens=16, custom_generate=agent)
+    engine = FakeEngine(script=lambda rid: Reply(tokens=3), version=2)
+    work = plan_step(store, "r", 0, prompts(1), s, [])
+    asyncio.run(rollout(engine, store, 0, work, s))
+
+    second = engine.call("r/0/0/0#1")
+    assert second.input_ids == [1, 2, 3, 10, 100, 101, 102, 7, 7] and second.params["max_new_tokens"] == 16 - 5
+    assert second.routing_key == group_key("r", 0, 0)  # every turn of the group goes to one engine
+    for r in rows_by_group(store, 0)[0]:
+        assert r["response_token_ids"] == [100, 101, 102, 7, 7, 100, 101, 102]
+        assert r["loss_mask"] == [1, 1, 1, 0, 0, 1, 1, 1] and len(r["rollout_logprobs"]) == 8
+        assert r["weight_versions"] == [2] and r["status"] == "completed"
