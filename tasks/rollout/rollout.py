@@ -30,7 +30,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from sluiceway.storage.trajectories import read_trajectories
+from sluiceway.storage.trajectories import (
+    ABORTED,
+    COMPLETED,
+    FAILED,
+    TRUNCATED,
+    is_finished,
+    is_trainable,
+    read_trajectories,
+)
 from sluiceway.tasks.rollout.dispatch import LOCAL, HedgePolicy, PoolDispatcher, PoolTarget, RolloutClient
 from sluiceway.tasks.rollout.multiturn import GenerateContext
 from sluiceway.tasks.rollout.writer import GroupWriter
@@ -123,7 +131,7 @@ def carried_over(store, run_id: str, step: int, prompts_by_id: dict[str, PromptI
     prev = read_trajectories(store, run_id, step - 1).to_pylist()
     groups: dict[int, list[dict]] = {}
     for r in prev:
-        if r["status"] == "aborted":
+        if r["status"] == ABORTED:
             groups.setdefault(r["group_id"], []).append(r)
     work = []
     for g in sorted(groups):
@@ -164,7 +172,7 @@ def _row(run_id, step, w: GroupWork, i: int, res, decode, s: RolloutSettings, en
     versions = list(dict.fromkeys(part.weight_versions + new_versions)) or [res.weight_version]
     # Tokens from an older policy can be kept out of the loss (--mask-offpolicy-in-partial-rollout).
     old_mask = [0 if s.mask_offpolicy else 1] * len(part.token_ids)
-    status = {"stop": "completed", "length": "truncated", "abort": "aborted"}.get(res.finish_reason, "failed")
+    status = {"stop": COMPLETED, "length": TRUNCATED, "abort": ABORTED}.get(res.finish_reason, FAILED)
     meta = dict(w.prompt.metadata)
     if part.from_step is not None:
         meta["continued_from_step"] = part.from_step
@@ -248,7 +256,7 @@ class Rollout:
         t0 = time.perf_counter()
         existing = read_trajectories(self.store, self.run_id, self.step).to_pylist()
         stored = {r["group_id"] for r in existing}
-        finished = {r["group_id"] for r in existing if r["status"] != "aborted" and not r.get("filter_reason")}
+        finished = {r["group_id"] for r in existing if is_trainable(r)}
         self.finished = len(finished)
         todo = [w for w in self.work if w.group_id not in stored]
         if self.finished >= self.s.groups_needed:
@@ -308,11 +316,11 @@ class Rollout:
 
     async def judge(self, rows: list[dict], results: list) -> None:
         """Status and filter reason of a generated group's rows; the step's count of finished groups."""
-        if any(r["status"] == "aborted" for r in rows):
+        if not all(is_finished(r) for r in rows):
             # A group is trained on whole or not at all: finished samples of a cut group are kept as
             # partials too (they carry no further tokens), so the next step sees the group intact.
             for r in rows:
-                r["status"] = "aborted"
+                r["status"] = ABORTED
             self.aborted_groups += 1
             return
         reason = self.group_filter(rows) if self.group_filter else None
