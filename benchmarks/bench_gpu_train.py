@@ -22,7 +22,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
 from sluiceway.models.zoo import resolve_checkpoint
-from sluiceway.tasks.train.trainer import PolicyTrainer, TrainSample
+from sluiceway.tasks.train.batch import TrainSample
+from sluiceway.tasks.train.trainer import PolicyTrainer
 
 SMOLLM2_135M = dict(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

@@ -32,10 +32,11 @@ from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.storage.datasets import import_prompts, load_prompts
 from sluiceway.storage.metrics import append_metrics
 from sluiceway.storage.object_store import ObjectStore
+from sluiceway.tasks.train.batch import TrainSample
 from sluiceway.tasks.train.launch import build_trainer
 from sluiceway.tasks.train.remote import RemoteTrainer
 from sluiceway.tasks.train.sft_data import SftSettings, sft_samples
-from sluiceway.tasks.train.trainer import PolicyTrainer, TrainSample
+from sluiceway.tasks.train.trainer import PolicyTrainer
 
 log = logging.getLogger("sluiceway")
 

@@ -4,7 +4,8 @@ checkpoint fixture is in conftest.py)."""
 import torch
 
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
-from sluiceway.tasks.train.trainer import PolicyTrainer, collate
+from sluiceway.tasks.train.collation import collate
+from sluiceway.tasks.train.trainer import PolicyTrainer
 
 
 def make_trainer(path, tok, bf16=False, **algo):

@@ -1,13 +1,30 @@
-"""From a step's scored trajectories to training samples with advantages."""
+"""From a step's scored trajectories to training samples with advantages: `TrainSample`, what training consumes.
+
+`build_train_samples` makes them from the trajectory rows (SFT's come from tasks/train/sft_data.py); collation
+(tasks/train/collation.py) turns them into micro-batches.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pyarrow as pa
 import torch
 
 from sluiceway.storage.trajectories import ABORTED, TRUNCATED, is_trainable
 from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS, group_advantages
-from sluiceway.tasks.train.trainer import TrainSample
+
+
+@dataclass
+class TrainSample:
+    """One trained sequence: a prompt, its response with per-token loss mask and rollout log-probs, an advantage."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]  # per response token
+    advantage: float
+    rollout_logprobs: list[float]  # per response token, from the engine
+    reward: float = 0.0  # the token-level estimators (ppo, reinforce_plus_plus) compute advantages from it
 
 
 def trainable_rows(table: pa.Table) -> list[dict]:

@@ -10,16 +10,13 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from sluiceway.flows.config import TrainingConfig
 from sluiceway.models.megatron_gpt import packed_attention_mask
+from sluiceway.tasks.train.batch import TrainSample
 from sluiceway.tasks.train.parallel import plan_micro_batches, shard_for_rank
-
-if TYPE_CHECKING:
-    from sluiceway.tasks.train.trainer import TrainSample
 
 
 @dataclass

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,6 +34,7 @@ from sluiceway.models.megatron_gpt import (  # megatron.core through here: it si
 from sluiceway.models.zoo import load_hf_state_dict
 from sluiceway.tasks.sync.disk import write_weight_version
 from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS
+from sluiceway.tasks.train.batch import TrainSample
 from sluiceway.tasks.train.checkpoint import load_checkpoint, save_checkpoint
 from sluiceway.tasks.train.collation import MicroBatch, OptimizerStep, collate, plan_optimizer_steps
 from sluiceway.tasks.train.critic import Critic, needs_reference, token_advantages
@@ -48,16 +48,6 @@ from sluiceway.tasks.train.parallel import (
     reduce_step_metrics,
     shard_for_rank,
 )
-
-
-@dataclass
-class TrainSample:
-    prompt_ids: list[int]
-    response_ids: list[int]
-    loss_mask: list[int]  # per response token
-    advantage: float
-    rollout_logprobs: list[float]  # per response token, from the engine
-    reward: float = 0.0  # the token-level estimators (ppo, reinforce_plus_plus) compute advantages from it
 
 
 class PolicyTrainer:

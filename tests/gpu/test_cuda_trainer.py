@@ -25,7 +25,7 @@ def tiny(tmp_path_factory):
 
 
 def batches(tok, steps: int, n: int = 8):
-    from sluiceway.tasks.train.trainer import TrainSample
+    from sluiceway.tasks.train.batch import TrainSample
 
     rng = random.Random(0)
     out = []
@@ -51,7 +51,7 @@ def make_trainer(path, tok, device: str, bf16: bool):
 def test_megatron_logprobs_match_transformers_on_cuda(tiny):
     from sluiceway.models.megatron_gpt import token_logprobs
     from sluiceway.models.zoo import load_hf_model
-    from sluiceway.tasks.train.trainer import collate
+    from sluiceway.tasks.train.collation import collate
 
     path, tok = tiny
     trainer = make_trainer(path, tok, "cuda", bf16=False)

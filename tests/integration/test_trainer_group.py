@@ -10,8 +10,9 @@ import torch
 
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
+from sluiceway.tasks.train.batch import TrainSample
 from sluiceway.tasks.train.remote import RemoteTrainer, TrainerGroupError
-from sluiceway.tasks.train.trainer import PolicyTrainer, TrainSample
+from sluiceway.tasks.train.trainer import PolicyTrainer
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

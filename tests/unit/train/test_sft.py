@@ -12,8 +12,9 @@ from sluiceway.models.megatron_gpt import token_logprobs
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.storage.datasets import import_prompts, load_prompts
 from sluiceway.storage.object_store import ObjectStore
+from sluiceway.tasks.train.collation import collate
 from sluiceway.tasks.train.sft_data import SftSettings, encode_row, sft_samples
-from sluiceway.tasks.train.trainer import PolicyTrainer, collate
+from sluiceway.tasks.train.trainer import PolicyTrainer
 
 TWO_TURNS = [
     {"role": "user", "content": "What is 2 + 3?"},

@@ -7,7 +7,8 @@ from trainer_helpers import make_trainer, sequence_logprob
 
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
 from sluiceway.models.zoo import load_hf_model
-from sluiceway.tasks.train.trainer import PolicyTrainer, TrainSample
+from sluiceway.tasks.train.batch import TrainSample
+from sluiceway.tasks.train.trainer import PolicyTrainer
 
 
 def samples(tok, advantages):
