@@ -4,6 +4,10 @@ On CPU megatron's own DDP/optimizer are CUDA-only (docs/design.md), so the optim
 `bf16` the model computes in bf16 while AdamW updates fp32 master copies of its weights (megatron's own
 mixed-precision scheme; autocast is not an option because megatron's linear layers pin autocast to CUDA).
 Weights leave the trainer in HF names, from the fp32 masters.
+
+The trainer holds the models, optimizer and parallel layout and runs the steps; what a step uses lives beside it:
+the samples (`TrainSample`) in batch.py, their micro-batches in collation.py, the objectives in losses.py, the
+LR schedule in lr_schedule.py, the checkpoint directory format in checkpoint.py, the critic in critic.py.
 """
 
 from __future__ import annotations
