@@ -19,8 +19,8 @@ from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS, group_advan
 class TrainSample:
     """One trained sequence: a prompt, its response with per-token loss mask and rollout log-probs, an advantage."""
 
-    prompt_ids: list[int]
-    response_ids: list[int]
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
     loss_mask: list[int]  # per response token
     advantage: float
     rollout_logprobs: list[float]  # per response token, from the engine
@@ -46,8 +46,8 @@ def build_train_samples(table: pa.Table, estimator: str, normalize_by_std: bool)
         adv = group_advantages(rewards, groups, "grpo" if estimator == "gspo" else estimator, normalize_by_std)
     return [
         TrainSample(
-            prompt_ids=r["prompt_token_ids"],
-            response_ids=r["response_token_ids"],
+            prompt_token_ids=r["prompt_token_ids"],
+            response_token_ids=r["response_token_ids"],
             loss_mask=r["loss_mask"],
             advantage=float(a),
             rollout_logprobs=r["rollout_logprobs"],

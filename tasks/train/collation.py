@@ -54,14 +54,14 @@ def collate(samples: list[TrainSample], pad_id: int, rows: list[list[int]] | Non
     prompt and to itself only, so it scores exactly as in a row of its own.
     """
     n = len(samples)
-    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    lengths = [len(s.prompt_token_ids) + len(s.response_token_ids) for s in samples]
     w = max(lengths)
     mask = torch.zeros((n, w - 1))
     adv = torch.zeros((n, w - 1))
     rlp = torch.zeros((n, w - 1))
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     for i, s in enumerate(samples):
-        p, r = len(s.prompt_ids), len(s.response_ids)
+        p, r = len(s.prompt_token_ids), len(s.response_token_ids)
         # logprob index t predicts token t+1: response token j sits at p+j, predicted at p+j-1.
         span = slice(p - 1, p - 1 + r)
         mask[i, span] = torch.tensor(s.loss_mask, dtype=torch.float32)
@@ -70,7 +70,7 @@ def collate(samples: list[TrainSample], pad_id: int, rows: list[list[int]] | Non
     if rows is None:
         ids = torch.full((n, w), pad_id, dtype=torch.long)
         for i, s in enumerate(samples):
-            ids[i, : lengths[i]] = torch.tensor(s.prompt_ids + s.response_ids)
+            ids[i, : lengths[i]] = torch.tensor(s.prompt_token_ids + s.response_token_ids)
         return MicroBatch(ids, mask, adv, rlp, rewards=rewards)
     layouts = [_lay_out_row([samples[i] for i in row]) for row in rows]
     width = max(len(tokens) for tokens, *_ in layouts)
@@ -86,7 +86,8 @@ def collate(samples: list[TrainSample], pad_id: int, rows: list[list[int]] | Non
         segments[row_i, :k], members[row_i, :k] = torch.tensor(seg), torch.tensor(member)
         for i, places in zip(row, where):
             unpack[i, : lengths[i] - 1] = row_i * width + torch.tensor(places[:-1])
-            targets[i, : lengths[i] - 1] = torch.tensor((samples[i].prompt_ids + samples[i].response_ids)[1:])
+            sample = samples[i]
+            targets[i, : lengths[i] - 1] = torch.tensor((sample.prompt_token_ids + sample.response_token_ids)[1:])
     return MicroBatch(ids, mask, adv, rlp, packed_attention_mask(segments, members), unpack, rewards,
                        position_ids=positions, targets=targets)  # fmt: skip
 
@@ -101,15 +102,15 @@ def _lay_out_row(samples: list[TrainSample]):
     where: list[list[int]] = []
     prompt_at = 0
     for k, s in enumerate(samples):
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        if k == 0 or s.prompt_ids != samples[k - 1].prompt_ids:
+        p, r = len(s.prompt_token_ids), len(s.response_token_ids)
+        if k == 0 or s.prompt_token_ids != samples[k - 1].prompt_token_ids:
             prompt_at = len(tokens)
-            tokens += s.prompt_ids
+            tokens += s.prompt_token_ids
             pos += range(p)
             seg += [k] * p
             member += [-1] * p
         where.append(list(range(prompt_at, prompt_at + p)) + list(range(len(tokens), len(tokens) + r)))
-        tokens += s.response_ids
+        tokens += s.response_token_ids
         pos += range(p, p + r)
         seg += [seg[prompt_at]] * r
         member += [k] * r
@@ -149,12 +150,12 @@ def plan_optimizer_steps(
     steps = []
     for start in range(0, len(samples), per_step):
         chunk = samples[start : start + per_step]
-        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in chunk]
+        lengths = [len(s.prompt_token_ids) + len(s.response_token_ids) for s in chunk]
         prompts = prompt_lengths = None
         if t.share_prompts:
             keys: dict[tuple[int, ...], int] = {}
-            prompts = [keys.setdefault(tuple(s.prompt_ids), len(keys)) for s in chunk]
-            prompt_lengths = [len(s.prompt_ids) for s in chunk]
+            prompts = [keys.setdefault(tuple(s.prompt_token_ids), len(keys)) for s in chunk]
+            prompt_lengths = [len(s.prompt_token_ids) for s in chunk]
         plans = plan_micro_batches(lengths, mbs, t.max_tokens_per_gpu, prompts, prompt_lengths)
         mine = shard_for_rank(plans, dp_size, dp_rank)
         batches = [collate([chunk[i] for i in p.samples], pad_id, p.rows).to(device) for p in mine]

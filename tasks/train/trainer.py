@@ -269,7 +269,7 @@ class PolicyTrainer:
         temperature 1 whatever the trainer's sampling temperature. The samples come in the caller's order.
         """
         t0 = time.perf_counter()
-        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        lengths = [len(s.prompt_token_ids) + len(s.response_token_ids) for s in samples]
         plans = plan_micro_batches(lengths, self.training.micro_batch_size, self.training.max_tokens_per_gpu)
         mine = shard_for_rank(plans, self.dp_size, self.dp_rank)
         n_tokens = float(sum(sum(s.loss_mask) for s in samples))

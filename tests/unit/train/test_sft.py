@@ -76,18 +76,18 @@ def test_prompt_response_records(tiny, tmp_path):
     rows = load_prompts(store, "datasets/pairs")
     where = lambda row: f"{data}:{row['prompt_id'].rsplit(':', 1)[1]}"  # noqa: E731
     chat = sft_samples(rows, tok, SftSettings(apply_chat_template=True), where, has_response=True)
-    texts = [tok.decode(s.response_ids) for s in chat]
+    texts = [tok.decode(s.response_token_ids) for s in chat]
     assert texts == ["The answer is 2.<|im_end|>", "Hello!<|im_end|>"]
-    assert tok.decode(chat[0].prompt_ids).endswith("<|im_start|>assistant\n")
+    assert tok.decode(chat[0].prompt_token_ids).endswith("<|im_start|>assistant\n")
     # A text prompt without the chat template is a completion: response, then EOS.
     plain = sft_samples(rows[:1], tok, SftSettings(), where, has_response=True)[0]
-    assert tok.decode(plain.prompt_ids) == "What is 1 + 1?"
-    assert tok.decode(plain.response_ids) == "The answer is 2.<|im_end|>" and all(plain.loss_mask)
+    assert tok.decode(plain.prompt_token_ids) == "What is 1 + 1?"
+    assert tok.decode(plain.response_token_ids) == "The answer is 2.<|im_end|>" and all(plain.loss_mask)
     # Over-long: an error naming file and line, or the tail cut when asked.
     with pytest.raises(UserError, match=r"pairs.jsonl:1: \d+ tokens exceeds --sft-max-len 8"):
         sft_samples(rows[:1], tok, SftSettings(apply_chat_template=True, max_len=8), where, has_response=True)
     cut = sft_samples(rows[:1], tok, SftSettings(max_len=9, truncate=True), where, has_response=True)[0]
-    assert len(cut.prompt_ids) + len(cut.response_ids) == 9
+    assert len(cut.prompt_token_ids) + len(cut.response_token_ids) == 9
 
 
 def sequence_nll(trainer, samples):
