@@ -1,7 +1,7 @@
 """Collation: a step's TrainSamples -> this rank's micro-batches of model inputs and per-sample loss tensors.
 
 `plan_optimizer_steps` shuffles the step's samples, splits them into optimizer steps and micro-batches (the plan,
-packing and shared prompts: tasks/train/parallel.py), keeps this data-parallel rank's share, and `collate`s each
+packing and shared prompts: tasks/train/micro_batches.py), keeps this data-parallel rank's share, and `collate`s each
 micro-batch: padded one sample per row, or several samples laid out per row (packed rows, shared prompts).
 """
 
@@ -16,7 +16,7 @@ import torch
 from sluiceway.flows.config import TrainingConfig
 from sluiceway.models.megatron_gpt import packed_attention_mask
 from sluiceway.tasks.train.batch import TrainSample
-from sluiceway.tasks.train.parallel import plan_micro_batches, shard_for_rank
+from sluiceway.tasks.train.micro_batches import plan_micro_batches, shard_for_rank
 
 
 @dataclass

@@ -44,14 +44,9 @@ from sluiceway.tasks.train.collation import MicroBatch, OptimizerStep, collate, 
 from sluiceway.tasks.train.critic import Critic, needs_reference, token_advantages
 from sluiceway.tasks.train.losses import policy_objective, sft_objective
 from sluiceway.tasks.train.lr_schedule import lr_schedule
+from sluiceway.tasks.train.micro_batches import plan_micro_batches, shard_for_rank
 from sluiceway.tasks.train.optim import adamw, step_master_weights
-from sluiceway.tasks.train.parallel import (
-    gather_tensor_parallel,
-    is_tensor_parallel,
-    plan_micro_batches,
-    reduce_step_metrics,
-    shard_for_rank,
-)
+from sluiceway.tasks.train.parallel import gather_tensor_parallel, is_tensor_parallel, reduce_step_metrics
 
 
 class PolicyTrainer:

@@ -8,7 +8,7 @@ from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.tasks.train.batch import TrainSample
 from sluiceway.tasks.train.collation import collate
-from sluiceway.tasks.train.parallel import plan_micro_batches, shard_for_rank
+from sluiceway.tasks.train.micro_batches import plan_micro_batches, shard_for_rank
 from sluiceway.tasks.train.trainer import PolicyTrainer
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
