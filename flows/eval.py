@@ -24,12 +24,6 @@ from prefect.cache_policies import NO_CACHE
 from sluiceway.flows.config import EvalRunConfig, RunConfig, validate_for
 from sluiceway.flows.engines import RolloutEngines
 from sluiceway.flows.precision import resolve_precision
-from sluiceway.flows.runtime import (
-    build_reward_settings,
-    build_rollout_settings,
-    eval_rollout_settings,
-    load_eval_prompts,
-)
 from sluiceway.infra.errors import UserError
 from sluiceway.infra.sglang_launcher import require_sglang
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
@@ -37,6 +31,8 @@ from sluiceway.storage.metrics import append_metrics
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.tasks.evaluate.evaluate import evaluate
 from sluiceway.tasks.reward.score import RewardSettings
+from sluiceway.tasks.reward.settings import build_reward_settings
+from sluiceway.tasks.rollout.prompts import build_rollout_settings, eval_rollout_settings, load_eval_prompts
 from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings
 
 _VERSION_DIR = re.compile(r"v(\d{6})")

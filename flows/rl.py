@@ -29,6 +29,7 @@ from sluiceway.tasks.evaluate.evaluate import evaluate
 from sluiceway.tasks.filter.apply import filter_step
 from sluiceway.tasks.filter.filters import build_filters
 from sluiceway.tasks.reward.score import score_step
+from sluiceway.tasks.rollout.prompts import adaptive_step_prompts, eval_rollout_settings
 from sluiceway.tasks.rollout.rollout import plan_step, prompt_indices_for_step, run_rollout
 from sluiceway.tasks.train.batch import build_train_samples, max_staleness, rollout_metrics
 
@@ -66,7 +67,7 @@ def rollout_task(run_id: str, step: int) -> dict:
     rt.engines.prune_dead()
     s = rt.settings
     if rt.prep.adaptive is not None:
-        new = runtime.adaptive_step_prompts(rt.cfg, rt.prep, step, s.groups_submitted)
+        new = adaptive_step_prompts(rt.cfg, rt.prep.adaptive, rt.store, rt.prep.tokenizer, step, s.groups_submitted)
     else:
         idx = prompt_indices_for_step(len(rt.prompts), step, s.groups_submitted, rt.cfg.training.seed)
         new = [rt.prompts[i] for i in idx]
@@ -159,7 +160,7 @@ def eval_task(run_id: str, trained_steps: int) -> dict:
     """Evaluate the weights after `trained_steps` steps; metrics (tag 'eval') and samples stored under that step."""
     rt = runtime.get(run_id)
     c = rt.cfg
-    settings = runtime.eval_rollout_settings(c, rt.settings)
+    settings = eval_rollout_settings(c, rt.settings)
     m: dict[str, float] = {}
     for name, prompts in rt.prep.eval_prompts.items():
         m |= rt.engines.run(

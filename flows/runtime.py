@@ -7,8 +7,6 @@ is in the tables or the run directory, which is what a restarted run resumes fro
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import logging
 import time
@@ -23,88 +21,21 @@ from sluiceway.flows.console import ProgressLine
 from sluiceway.flows.engines import RolloutEngines
 from sluiceway.infra.errors import UserError
 from sluiceway.infra.sglang_launcher import require_sglang
-from sluiceway.models.chat import encode_prompt, render_prompt
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.storage.checkpoints import download_checkpoint, latest_checkpoint_step, upload_checkpoint
-from sluiceway.storage.datasets import import_prompts, import_records, load_prompts
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.weights import WeightPublisher, WeightStore
-from sluiceway.tasks.environments import generate_env
 from sluiceway.tasks.environments.adaptive_source import AdaptivePromptSource
 from sluiceway.tasks.filter.filters import scoring_filter, user_filter
 from sluiceway.tasks.reward.score import RewardSettings
-from sluiceway.tasks.reward.scorers import get_scorer, remote_group_scorer
-from sluiceway.tasks.rollout.multiturn import load_custom_generate
+from sluiceway.tasks.reward.settings import build_reward_settings
+from sluiceway.tasks.rollout.prompts import build_rollout_settings, load_dataset, load_eval_prompts, render_items
 from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings
 from sluiceway.tasks.train.launch import build_trainer
 from sluiceway.tasks.train.remote import RemoteTrainer
 from sluiceway.tasks.train.trainer import PolicyTrainer
 
 log = logging.getLogger("sluiceway")
-
-
-def dataset_table_name(prompt_data: str, env_size: int, seed: int) -> str:
-    """One table per distinct source: a file's name plus a hash of its bytes, or the environment spec."""
-    if prompt_data.startswith("env:"):
-        return "datasets/" + prompt_data[4:].replace(":", "-") + f"-n{env_size}-s{seed}"
-    p = Path(prompt_data)
-    if not p.is_file():
-        raise UserError(f"--prompt-data {prompt_data}: file not found")
-    digest = hashlib.sha256(p.read_bytes()).hexdigest()[:12]
-    return f"datasets/{p.stem}-{digest}"
-
-
-def load_dataset(cfg: RunConfig, store: ObjectStore, prompt_data: str, size: int, seed: int) -> list[dict]:
-    d = cfg.data
-    name = dataset_table_name(prompt_data, size, seed)
-    if prompt_data.startswith("env:"):
-        records = generate_env(prompt_data, size, seed)
-        import_records(
-            records, store, name, source=prompt_data, input_key="input", label_key="label", metadata_key="metadata"
-        )
-    else:
-        import_prompts(
-            prompt_data, store, name, input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key
-        )
-    return load_prompts(store, name)
-
-
-def adaptive_step_prompts(cfg: RunConfig, prep: Prepared, step: int, n: int) -> list[PromptItem]:
-    """This step's prompts at the curriculum's levels, stored as a dataset table like any other data."""
-    records = prep.adaptive.records_for_step(step, n)
-    name = f"datasets/adaptive-{cfg.run_id}"
-    import_records(
-        records, prep.store, name, source=f"step{step}", input_key="input", label_key="label", metadata_key="metadata"
-    )
-    # Only this step's rows: the table grows by a batch every step.
-    return render_items(cfg, prep.tokenizer, load_prompts(prep.store, name, source=f"step{step}"))
-
-
-def render_items(cfg: RunConfig, tokenizer, rows: list[dict]) -> list[PromptItem]:
-    items = []
-    for row in rows:
-        prompt = row["messages"] if row.get("messages") else row["prompt"]
-        text = render_prompt(tokenizer, prompt, cfg.data.apply_chat_template, cfg.data.system_prompt)
-        ids = encode_prompt(tokenizer, text)
-        if len(ids) > cfg.rollout.rollout_max_prompt_len:
-            raise UserError(
-                f"prompt {row['prompt_id']}: {len(ids)} tokens exceeds --rollout-max-prompt-len "
-                f"{cfg.rollout.rollout_max_prompt_len}"
-            )
-        items.append(PromptItem(row["prompt_id"], text, ids, row.get("label"), row.get("metadata") or {}))
-    return items
-
-
-def stop_token_ids(tokenizer, hf_dir: Path) -> list[int]:
-    from transformers import GenerationConfig
-
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    try:
-        eos = GenerationConfig.from_pretrained(hf_dir, local_files_only=True).eos_token_id
-        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    except OSError:
-        pass
-    return sorted(ids)
 
 
 @dataclass
@@ -120,54 +51,6 @@ class Prepared:
     eval_prompts: dict[str, list[PromptItem]]  # evaluation set name -> prompts
     rollout_filter: Callable | None  # dynamic sampling: scores a finished group and may drop it
     adaptive: AdaptivePromptSource | None  # prompts generated per step at adaptive difficulty
-
-
-def build_reward_settings(cfg: RunConfig) -> RewardSettings:
-    rw = cfg.reward
-    if rw.group_rm and not rw.custom_rm_path:
-        raise UserError("--group-rm needs --custom-rm-path (a function scoring a whole group)")
-    if rw.rm_type == "remote" and not rw.custom_rm_path:
-        scorer, group_rm = remote_group_scorer(rw.rm_url, rw.rm_api_key_env, rw.reward_timeout_s), True
-    else:
-        scorer, group_rm = get_scorer(rw.rm_type, rw.custom_rm_path), rw.group_rm
-    # The remote model retries within its own deadline; the stage's limit covers a whole group's batch.
-    timeout = rw.reward_timeout_s * 4 if rw.rm_type == "remote" else rw.reward_timeout_s
-    return RewardSettings(scorer, timeout, group_rm, rw.reward_key, rw.length_penalty_budget, rw.length_penalty_window)
-
-
-def build_rollout_settings(cfg: RunConfig, tokenizer, hf_dir: Path) -> RolloutSettings:
-    r = cfg.rollout
-    return RolloutSettings(
-        n_samples=r.n_samples_per_prompt, max_new_tokens=r.rollout_max_response_len,
-        temperature=r.rollout_temperature, top_p=r.rollout_top_p, stop_token_ids=stop_token_ids(tokenizer, hf_dir),
-        seed=cfg.training.seed, groups_needed=r.rollout_batch_size,
-        groups_submitted=r.over_sampling_batch_size or r.rollout_batch_size, max_concurrency=r.rollout_max_concurrency,
-        partial_rollout=r.partial_rollout, mask_offpolicy=r.mask_offpolicy_in_partial_rollout,
-        custom_generate=load_custom_generate(r.custom_generate_function_path) if r.custom_generate_function_path
-        else None, tokenizer=tokenizer,
-    )  # fmt: skip
-
-
-def eval_rollout_settings(cfg: RunConfig, settings: RolloutSettings) -> RolloutSettings:
-    """The rollout's settings with the eval group's sampling overrides (None keeps the rollout's value)."""
-    e, s = cfg.eval, settings
-    # `is None`, never `or`: temperature 0.0 (greedy) is a setting, not "unset".
-    return dataclasses.replace(
-        s,
-        temperature=s.temperature if e.eval_temperature is None else e.eval_temperature,
-        top_p=s.top_p if e.eval_top_p is None else e.eval_top_p,
-        max_new_tokens=s.max_new_tokens if e.eval_max_response_len is None else e.eval_max_response_len,
-    )
-
-
-def load_eval_prompts(cfg: RunConfig, store: ObjectStore, tokenizer) -> dict[str, list[PromptItem]]:
-    """Evaluation set name -> its first eval_size prompts, rendered like the training prompts."""
-    e, out = cfg.eval, {}
-    for name, source in cfg.eval_sets:
-        # A generated eval set uses another seed than the training set, so it holds other problems.
-        rows = load_dataset(cfg, store, source, e.eval_size, cfg.training.seed + 1)[: e.eval_size]
-        out[name] = render_items(cfg, tokenizer, rows)
-    return out
 
 
 def prepare(cfg: RunConfig) -> Prepared:

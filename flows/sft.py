@@ -26,12 +26,12 @@ from prefect.cache_policies import NO_CACHE
 
 from sluiceway.flows.config import RunConfig
 from sluiceway.flows.precision import resolve_precision
-from sluiceway.flows.runtime import dataset_table_name
 from sluiceway.infra.errors import UserError
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.storage.datasets import import_prompts, load_prompts
 from sluiceway.storage.metrics import append_metrics
 from sluiceway.storage.object_store import ObjectStore
+from sluiceway.tasks.rollout.prompts import dataset_table_name
 from sluiceway.tasks.train.batch import TrainSample
 from sluiceway.tasks.train.launch import build_trainer
 from sluiceway.tasks.train.remote import RemoteTrainer

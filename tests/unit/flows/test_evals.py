@@ -9,7 +9,6 @@ import torch
 
 from sluiceway.flows.cli import make_parser, resolve_config
 from sluiceway.flows.report import render
-from sluiceway.flows.runtime import eval_rollout_settings
 from sluiceway.infra.engine import Engine, GenerateRequest, SamplingParams
 from sluiceway.infra.engine.sampling import TOP_K_ALL, sample
 from sluiceway.infra.errors import UserError
@@ -17,6 +16,7 @@ from sluiceway.models.zoo import load_hf_model, resolve_checkpoint
 from sluiceway.storage.evals import EVALS, append_eval_samples, read_evals
 from sluiceway.storage.metrics import append_metrics
 from sluiceway.storage.object_store import ObjectStore
+from sluiceway.tasks.rollout.prompts import eval_rollout_settings
 from sluiceway.tasks.rollout.rollout import RolloutSettings
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
