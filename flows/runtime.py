@@ -7,9 +7,7 @@ is in the tables or the run directory, which is what a restarted run resumes fro
 
 from __future__ import annotations
 
-import json
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,15 +20,16 @@ from sluiceway.flows.engines import RolloutEngines
 from sluiceway.infra.errors import UserError
 from sluiceway.infra.sglang_launcher import require_sglang
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
-from sluiceway.storage.checkpoints import download_checkpoint, latest_checkpoint_step, upload_checkpoint
+from sluiceway.storage.checkpoints import fetch_newer_checkpoint, load_checkpoint, save_checkpoint
 from sluiceway.storage.object_store import ObjectStore
-from sluiceway.storage.weights import WeightPublisher, WeightStore
+from sluiceway.storage.weights import WeightPublisher
 from sluiceway.tasks.environments.adaptive_source import AdaptivePromptSource
 from sluiceway.tasks.filter.filters import scoring_filter, user_filter
 from sluiceway.tasks.reward.score import RewardSettings
 from sluiceway.tasks.reward.settings import build_reward_settings
 from sluiceway.tasks.rollout.prompts import build_rollout_settings, load_dataset, load_eval_prompts, render_items
 from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings
+from sluiceway.tasks.sync.publish import sync_due, sync_weights, weight_publisher
 from sluiceway.tasks.train.launch import build_trainer
 from sluiceway.tasks.train.remote import RemoteTrainer
 from sluiceway.tasks.train.trainer import PolicyTrainer
@@ -144,70 +143,38 @@ class Runtime:
         self.engines.close()
         _close_trainer(self.trainer)
 
+    def _weight_publisher(self) -> WeightPublisher:
+        if self._publisher is None:  # one per process: it holds the last version in memory to diff against
+            self._publisher = weight_publisher(self.cfg)
+        return self._publisher
+
     def sync_weights(self, step: int | None = None) -> Path | None:
         """Publish the trainer's current weights as a model directory and load it on every engine.
 
         After rollout ``step`` this skips (None) unless update_weights_interval says to sync; with
-        update_weight_mode delta the version also goes to the weight store, where remote pools pull it.
+        update_weight_mode delta the version also goes to the weight store, where remote pools pull it
+        (tasks/sync/publish.py).
         """
-        s, last = self.cfg.sync, self.cfg.rollout.num_rollout
-        if step is not None and (step + 1) % s.update_weights_interval and step + 1 != last:
+        if step is not None and not sync_due(self.cfg, step):
             return None
-        # A --bf16 run's engines serve bf16: write the masters rounded as the engines would round them on load.
-        dtype = "bfloat16" if self.cfg.training.bf16 else None
-        path = self.trainer.write_weights(self.prep.hf_dir, self.run_dir / "weights", dtype=dtype)
-        self.engines.update_weights(path, self.trainer.weight_version)
-        if s.update_weight_mode == "delta":
-            self._publish_weights(path)
-        return path
-
-    def _publish_weights(self, path: Path) -> None:
-        if self._publisher is None:  # one per process: it holds the last version in memory to diff against
-            s = self.cfg.sync
-            store = ObjectStore.from_uri(
-                self.cfg.weights_uri, self.cfg.storage.s3_endpoint_url, self.cfg.storage.s3_region
-            )
-            # A --bf16 run publishes bf16 weights (sync_weights writes them so), of which most elements keep every
-            # bit from one step to the next at small learning rates (the fp32 masters change almost everywhere).
-            # A pool serving fp32 upcasts them exactly. float_dtype also casts an fp32 directory, should one come.
-            self._publisher = WeightPublisher(
-                WeightStore(store), full_every=s.weights_full_every, keep=s.weights_keep,
-                float_dtype="BF16" if self.cfg.training.bf16 else None,
-            )  # fmt: skip
-        t0 = time.perf_counter()
-        m = self._publisher.publish(self.trainer.weight_version, path)
-        log.info(
-            "weights v%d published to %s (%s, %d bytes, %.2f s)",
-            m.version, self.cfg.weights_uri, m.kind, m.data_size, time.perf_counter() - t0,
-        )  # fmt: skip
+        weights_dir = self.run_dir / "weights"
+        return sync_weights(self.cfg, self.trainer, self.engines, self.prep.hf_dir, weights_dir, self._weight_publisher)
 
     def decode(self, ids: list[int]) -> str:
         return self.prep.tokenizer.decode(ids, skip_special_tokens=True)
 
     def save_checkpoint(self, step: int) -> str:
         """Checkpoint the trainer after `step`; with a storage_uri the checkpoint also goes to the object store."""
-        self.trainer.save(self.checkpoint_path, step)
-        if self.cfg.storage.storage_uri:
-            return upload_checkpoint(self.store, self.cfg.run_id, self.checkpoint_path, step)
-        return str(self.checkpoint_path)
-
-    def _fetch_newer_checkpoint(self) -> None:
-        """A run resumed elsewhere (or after losing its disk) takes the object store's checkpoint if it is newer."""
-        if not self.cfg.storage.storage_uri:
-            return
-        remote = latest_checkpoint_step(self.store, self.cfg.run_id)
-        meta = self.checkpoint_path / "meta.json"
-        local = json.loads(meta.read_text())["step"] if meta.exists() else None
-        if remote is not None and (local is None or remote > local):
-            download_checkpoint(self.store, self.cfg.run_id, self.checkpoint_path)
-            log.info("fetched the step %d checkpoint from the object store", remote)
+        store = self.store if self.cfg.storage.storage_uri else None
+        return save_checkpoint(self.trainer, self.checkpoint_path, step, store, self.cfg.run_id)
 
     def resume(self) -> int:
         """Load the latest checkpoint, if any; return the first step still to train."""
-        self._fetch_newer_checkpoint()
-        if not self.checkpoint_path.exists():
+        if self.cfg.storage.storage_uri:  # a run resumed elsewhere takes the object store's newer checkpoint
+            fetch_newer_checkpoint(self.store, self.cfg.run_id, self.checkpoint_path)
+        step = load_checkpoint(self.trainer, self.checkpoint_path)
+        if step is None:
             return 0
-        step = self.trainer.load(self.checkpoint_path)
         self.sync_weights()
         log.info(
             "resumed from %s (step %d, weight version %d)", self.checkpoint_path, step, self.trainer.weight_version

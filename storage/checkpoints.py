@@ -13,10 +13,13 @@ beyond `keep` are deleted after the pointer moves.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
 from sluiceway.storage.object_store import ObjectStore
+
+log = logging.getLogger("sluiceway")
 
 
 def _fs_path(store: ObjectStore, *parts: str) -> str:
@@ -84,3 +87,33 @@ def download_checkpoint(store: ObjectStore, run_id: str, local_dir: Path) -> int
     shutil.rmtree(local_dir, ignore_errors=True)
     tmp.rename(local_dir)
     return int(info["step"])
+
+
+def save_checkpoint(trainer, local_dir: Path, step: int, store: ObjectStore | None, run_id: str) -> str:
+    """Checkpoint `trainer` (anything with `save(dir, step)`) after `step` into `local_dir`; with a `store` the
+    checkpoint also goes to it. Returns where it is: the store's URI, else the local directory."""
+    trainer.save(local_dir, step)
+    if store is not None:
+        return upload_checkpoint(store, run_id, local_dir, step)
+    return str(local_dir)
+
+
+def fetch_newer_checkpoint(store: ObjectStore, run_id: str, local_dir: Path) -> int | None:
+    """A run resumed elsewhere (or after losing its disk) takes the store's checkpoint if it is newer than the
+    one in `local_dir`; returns the fetched step, or None when the local one stays."""
+    remote = latest_checkpoint_step(store, run_id)
+    meta = local_dir / "meta.json"
+    local = json.loads(meta.read_text())["step"] if meta.exists() else None
+    if remote is not None and (local is None or remote > local):
+        download_checkpoint(store, run_id, local_dir)
+        log.info("fetched the step %d checkpoint from the object store", remote)
+        return remote
+    return None
+
+
+def load_checkpoint(trainer, local_dir: Path) -> int | None:
+    """Load the checkpoint in `local_dir` into `trainer` (anything with `load(dir) -> step`), if there is one;
+    return its step, or None."""
+    if not local_dir.exists():
+        return None
+    return trainer.load(local_dir)

@@ -43,11 +43,10 @@ def test_weights_uri_default(tmp_path):
 @pytest.mark.parametrize("bf16", [False, True])
 def test_published_dtype_follows_the_training_dtype(tmp_path, bf16):
     """The trainer writes fp32 masters in a --bf16 run too; the run publishes what its engines serve."""
-    from types import SimpleNamespace
 
     from safetensors.torch import save_file
 
-    from sluiceway.flows.runtime import Runtime
+    from sluiceway.tasks.sync.publish import publish_weights, weight_publisher
 
     cfg = RunConfig.model_validate({"data": {"prompt_data": "env:arithmetic"}, "training": {"bf16": bf16}})
     cfg.storage.output_dir = str(tmp_path / "run")
@@ -55,8 +54,7 @@ def test_published_dtype_follows_the_training_dtype(tmp_path, bf16):
     hf.mkdir(parents=True)
     (hf / "config.json").write_text("{}")
     save_file({"w": torch.randn(8, 8), "ids": torch.arange(4)}, hf / "model.safetensors")
-    rt = SimpleNamespace(cfg=cfg, _publisher=None, trainer=SimpleNamespace(weight_version=1))
-    Runtime._publish_weights(rt, hf)
+    publish_weights(weight_publisher(cfg), 1, hf, cfg.weights_uri)
     m = WeightStore(ObjectStore.from_uri(cfg.weights_uri)).manifest(1)
     assert {k: e.dtype for k, e in m.tensors.items()} == {"w": "BF16" if bf16 else "F32", "ids": "I64"}
     # ... and its config says so: an engine loading with dtype "auto" serves the published dtype, not fp32.
