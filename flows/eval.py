@@ -24,6 +24,7 @@ from prefect.cache_policies import NO_CACHE
 from sluiceway.flows.config import EvalRunConfig, RunConfig, validate_for
 from sluiceway.flows.engines import RolloutEngines
 from sluiceway.flows.precision import resolve_precision
+from sluiceway.flows.scaffold import Registry, make_run_dir, open_store
 from sluiceway.infra.errors import UserError
 from sluiceway.infra.sglang_launcher import require_sglang
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
@@ -64,7 +65,7 @@ def resolve_model(name_or_dir: str) -> tuple[Path, int]:
 def prepare_eval(cfg: RunConfig) -> EvalPrepared:
     if cfg.rollout.rollout_engine == "sglang":
         require_sglang()
-    store = ObjectStore.from_uri(cfg.tables_uri, cfg.storage.s3_endpoint_url, cfg.storage.s3_region)
+    store = open_store(cfg)
     rewards = build_reward_settings(cfg)
     hf_dir, version = resolve_model(cfg.training.hf_checkpoint)
     tokenizer = load_tokenizer(hf_dir)
@@ -86,17 +87,17 @@ class _EvalRun:
         return self.prep.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-_RUNS: dict[str, _EvalRun] = {}
-_PREPARED: dict[str, EvalPrepared] = {}  # the CLI preflight's work, handed to the flow in the same process
+_RUNS: Registry[EvalPrepared, _EvalRun] = Registry("eval run")
 
 
 def hand_over(cfg: RunConfig, prep: EvalPrepared) -> None:
-    _PREPARED[cfg.run_id] = prep
+    """The CLI preflight's work, handed to the flow in the same process."""
+    _RUNS.hand_over(cfg.run_id, prep)
 
 
 @task(name="evaluate", cache_policy=NO_CACHE, persist_result=False)
 def eval_set_task(run_id: str, name: str) -> dict:
-    run = _RUNS[run_id]
+    run = _RUNS.get(run_id)
     c, p = run.cfg, run.prep
     return run.engines.run(
         evaluate(
@@ -127,12 +128,11 @@ def format_set(name: str, m: dict[str, float]) -> str:
 def eval_flow(config: EvalRunConfig) -> dict:
     """Evaluate `config`'s hf_checkpoint on its eval sets (typed so the UI shows the config's form)."""
     cfg = resolve_precision(validate_for(config, "eval"))  # auto -> bf16/fp32 (a UI run starts here)
-    prep = _PREPARED.pop(cfg.run_id, None) or prepare_eval(cfg)
-    run_dir = Path(cfg.storage.output_dir).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    prep = _RUNS.take_prepared(cfg.run_id) or prepare_eval(cfg)
+    run_dir = make_run_dir(cfg)
     t0 = time.perf_counter()
     engines = RolloutEngines(cfg, prep.hf_dir, run_dir, weight_version=prep.version)
-    _RUNS[cfg.run_id] = _EvalRun(cfg, prep, engines)
+    _RUNS.register(cfg.run_id, _EvalRun(cfg, prep, engines))
     metrics: dict[str, float] = {}
     try:
         for name in prep.eval_prompts:
@@ -141,7 +141,7 @@ def eval_flow(config: EvalRunConfig) -> dict:
             if not cfg.logging.quiet:
                 print(format_set(name, m), flush=True)
     finally:
-        _RUNS.pop(cfg.run_id, None)
+        _RUNS.unregister(cfg.run_id)
         engines.close()
     metrics["time/eval_s"] = time.perf_counter() - t0
     append_metrics(prep.store, cfg.run_id, prep.version, metrics, tag="eval")

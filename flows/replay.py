@@ -31,17 +31,26 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from sluiceway.flows.config import ReplayRunConfig, RunConfig, validate_for
 from sluiceway.flows.precision import resolve_precision
+from sluiceway.flows.scaffold import (
+    TRAINING_RUNS,
+    build_run_trainer,
+    check_device,
+    checkpoint_task,
+    close_trainer,
+    make_run_dir,
+    open_store,
+    publish_task,
+)
 from sluiceway.infra.errors import UserError
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
+from sluiceway.storage.checkpoints import load_checkpoint
 from sluiceway.storage.metrics import append_metrics
 from sluiceway.storage.object_store import ObjectStore
-from sluiceway.tasks.train.launch import build_trainer
 from sluiceway.tasks.train.remote import RemoteTrainer
 from sluiceway.tasks.train.replay import ReplaySource, open_source, step_batch
 from sluiceway.tasks.train.trainer import PolicyTrainer
@@ -64,16 +73,13 @@ def _manifest_path(cfg: RunConfig) -> Path:
 
 def prepare_replay(cfg: RunConfig) -> ReplayPrepared:
     """Everything a user can get wrong, checked before the flow starts; no model is built here."""
-    if cfg.resources.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA device is available (use --device cpu)")
-    if cfg.resources.num_threads:
-        torch.set_num_threads(cfg.resources.num_threads)
+    check_device(cfg)
     rp = cfg.replay
     tables = rp.replay_tables or cfg.tables_uri
     if "://" not in tables and not Path(tables).is_dir():  # ObjectStore would create a missing local directory
         raise UserError(f"--replay-tables {tables}: no such directory")
-    source_store = ObjectStore.from_uri(tables, cfg.storage.s3_endpoint_url, cfg.storage.s3_region)
-    store = ObjectStore.from_uri(cfg.tables_uri, cfg.storage.s3_endpoint_url, cfg.storage.s3_region)
+    source_store = open_store(cfg, tables)
+    store = open_store(cfg)
     if rp.replay_run_id == cfg.run_id and source_store.table_uri("x") == store.table_uri("x"):
         raise UserError(
             f"replay: run id {cfg.run_id} is the stored run itself; give the replay its own --output-dir or --run-id"
@@ -110,57 +116,37 @@ class ReplayRun:
 
     @classmethod
     def create(cls, cfg: RunConfig, prep: ReplayPrepared) -> ReplayRun:
-        run_dir = Path(cfg.storage.output_dir).resolve()
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = make_run_dir(cfg)
         s = prep.source
         manifest = {"tables": prep.tables, "run_id": s.run_id, "version": s.version, "steps": s.steps}
         _manifest_path(cfg).write_text(json.dumps(manifest))
-        tok = prep.tokenizer
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         total_iters = len(s.steps) * cfg.training.num_steps_per_rollout
-        trainer = build_trainer(cfg, prep.hf_dir, pad, run_dir / "trainer", total_iters)
+        trainer = build_run_trainer(cfg, prep.hf_dir, prep.tokenizer, run_dir, total_iters)
         return cls(cfg, run_dir, prep, trainer)
 
     def resume(self) -> int:
         """Load the replay's checkpoint, if any; return the position in the step list to continue from."""
-        if not self.checkpoint_path.exists():
+        step = load_checkpoint(self.trainer, self.checkpoint_path)
+        if step is None:
             return 0
-        step = self.trainer.load(self.checkpoint_path)
         log.info("resumed from %s (stored step %d)", self.checkpoint_path, step)
         return self.prep.source.steps.index(step) + 1
 
 
-_RUNS: dict[str, ReplayRun] = {}
-_PREPARED: dict[str, ReplayPrepared] = {}  # the CLI preflight's work, handed to the flow in the same process
-
-
 def hand_over(cfg: RunConfig, prep: ReplayPrepared) -> None:
-    _PREPARED[cfg.run_id] = prep
+    """The CLI preflight's work, handed to the flow in the same process."""
+    TRAINING_RUNS.hand_over(cfg.run_id, prep)
 
 
 @task(name="replay-train", cache_policy=NO_CACHE, persist_result=False)
 def replay_train_task(run_id: str, step: int) -> dict:
-    run = _RUNS[run_id]
+    run = TRAINING_RUNS.get(run_id)
     a = run.cfg.algorithm
     samples, metrics = step_batch(run.prep.source, step, a.advantage_estimator, a.normalize_advantages_by_std)
     metrics.update({f"train/{k}": v for k, v in run.trainer.train_rollout(samples, step).items()})
     metrics["weight_version"] = float(run.trainer.weight_version)
     metrics["replay/table_version"] = float(run.prep.source.version)
     return metrics
-
-
-@task(name="checkpoint", cache_policy=NO_CACHE, persist_result=False)
-def checkpoint_task(run_id: str, step: int) -> str:
-    run = _RUNS[run_id]
-    run.trainer.save(run.checkpoint_path, step)
-    return str(run.checkpoint_path)
-
-
-@task(name="publish", cache_policy=NO_CACHE, persist_result=False)
-def publish_task(run_id: str) -> str:
-    """The trained weights as an HF model directory (weights/vNNNNNN), loadable by transformers or an engine."""
-    run = _RUNS[run_id]
-    return str(run.trainer.write_weights(run.prep.hf_dir, run.run_dir / "weights"))
 
 
 def format_step(step: int, i: int, total: int, m: dict) -> str:
@@ -178,9 +164,9 @@ def replay_flow(config: ReplayRunConfig) -> dict:
     cfg = resolve_precision(validate_for(config, "replay"))  # auto -> bf16/fp32 (a UI run starts here)
     if not cfg.algorithm.use_tis:
         log.warning("replay without use_tis: the stored samples are trained as if the current policy made them")
-    prep = _PREPARED.pop(cfg.run_id, None) or prepare_replay(cfg)
+    prep = TRAINING_RUNS.take_prepared(cfg.run_id) or prepare_replay(cfg)
     run = ReplayRun.create(cfg, prep)
-    _RUNS[cfg.run_id] = run
+    TRAINING_RUNS.register(cfg.run_id, run)
     steps, trained = prep.source.steps, 0
     try:
         start, interval = run.resume(), cfg.training.save_interval
@@ -196,9 +182,9 @@ def replay_flow(config: ReplayRunConfig) -> dict:
                 print(format_step(steps[i], i, len(steps), m), flush=True)
         weights = publish_task(cfg.run_id)
     finally:
-        run = _RUNS.pop(cfg.run_id, None)
-        if run is not None and isinstance(run.trainer, RemoteTrainer):
-            run.trainer.close()
+        run = TRAINING_RUNS.unregister(cfg.run_id)
+        if run is not None:
+            close_trainer(run.trainer)
     return {
         "run_id": cfg.run_id,
         "steps": trained,

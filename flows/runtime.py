@@ -12,11 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from sluiceway.flows.config import RunConfig
 from sluiceway.flows.console import ProgressLine
 from sluiceway.flows.engines import RolloutEngines
+from sluiceway.flows.scaffold import Registry, build_run_trainer, check_device, close_trainer, make_run_dir, open_store
 from sluiceway.infra.errors import UserError
 from sluiceway.infra.sglang_launcher import require_sglang
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
@@ -30,7 +29,6 @@ from sluiceway.tasks.reward.settings import build_reward_settings
 from sluiceway.tasks.rollout.prompts import build_rollout_settings, load_dataset, load_eval_prompts, render_items
 from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings
 from sluiceway.tasks.sync.publish import sync_due, sync_weights, weight_publisher
-from sluiceway.tasks.train.launch import build_trainer
 from sluiceway.tasks.train.remote import RemoteTrainer
 from sluiceway.tasks.train.trainer import PolicyTrainer
 
@@ -55,11 +53,8 @@ class Prepared:
 def prepare(cfg: RunConfig) -> Prepared:
     if cfg.rollout.rollout_engine == "sglang":
         require_sglang()
-    if cfg.resources.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA device is available (use --device cpu)")
-    if cfg.resources.num_threads:
-        torch.set_num_threads(cfg.resources.num_threads)
-    store = ObjectStore.from_uri(cfg.tables_uri, cfg.storage.s3_endpoint_url, cfg.storage.s3_region)
+    check_device(cfg)
+    store = open_store(cfg)
     reward_settings = build_reward_settings(cfg)
     rollout_filter = None
     if cfg.rollout.dynamic_sampling_filter_path:
@@ -113,11 +108,8 @@ class Runtime:
 
     @classmethod
     def create(cls, cfg: RunConfig, prep: Prepared | None = None) -> Runtime:
-        run_dir = Path(cfg.storage.output_dir).resolve()
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = make_run_dir(cfg)
         prep = prep or prepare(cfg)
-        tok = prep.tokenizer
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         total_iters = cfg.rollout.num_rollout * cfg.training.num_steps_per_rollout
         # Embedded engines load their model while the trainer builds (separate processes: on a CPU machine the
         # two start-ups share the cores instead of queueing). SGLang sizes its KV cache from the GPU memory free
@@ -127,7 +119,7 @@ class Runtime:
         if early is None and embedded:
             early = RolloutEngines(cfg, prep.hf_dir, run_dir, wait=False)
         try:
-            trainer = build_trainer(cfg, prep.hf_dir, pad, run_dir / "trainer", total_iters)
+            trainer = build_run_trainer(cfg, prep.hf_dir, prep.tokenizer, run_dir, total_iters)
         except BaseException:
             if early is not None:
                 early.close()
@@ -135,13 +127,13 @@ class Runtime:
         try:
             engines = early.wait_ready() if early is not None else RolloutEngines(cfg, prep.hf_dir, run_dir)
         except BaseException:
-            _close_trainer(trainer)
+            close_trainer(trainer)
             raise
         return cls(cfg, run_dir, prep, engines, trainer, ProgressLine(enabled=not cfg.logging.quiet))
 
     def close(self) -> None:
         self.engines.close()
-        _close_trainer(self.trainer)
+        close_trainer(self.trainer)
 
     def _weight_publisher(self) -> WeightPublisher:
         if self._publisher is None:  # one per process: it holds the last version in memory to diff against
@@ -182,14 +174,8 @@ class Runtime:
         return step + 1
 
 
-def _close_trainer(trainer: PolicyTrainer | RemoteTrainer) -> None:
-    if isinstance(trainer, RemoteTrainer):  # an in-process trainer goes with the process
-        trainer.close()
-
-
-_RUNTIMES: dict[str, Runtime] = {}
-# A Prepared made by the CLI's preflight, handed to the flow in the same process so it is not made twice.
-_PREPARED: dict[str, Prepared] = {}
+# The live runtimes, and the Prepared each CLI preflight handed to its flow in this process.
+_RUNTIMES: Registry[Prepared, Runtime] = Registry("runtime")
 
 
 # Embedded engines the CLI started before its imports, handed to the flow's Runtime (which then owns them).
@@ -197,14 +183,14 @@ _EARLY_ENGINES: dict[str, RolloutEngines] = {}
 
 
 def hand_over(cfg: RunConfig, prep: Prepared, engines: RolloutEngines | None = None) -> None:
-    _PREPARED[cfg.run_id] = prep
+    _RUNTIMES.hand_over(cfg.run_id, prep)
     if engines is not None:
         _EARLY_ENGINES[cfg.run_id] = engines
 
 
 def take_prepared(run_id: str) -> Prepared | None:
     """The preflight's Prepared for this run, if this process made one (a deployment's worker did not)."""
-    return _PREPARED.pop(run_id, None)
+    return _RUNTIMES.take_prepared(run_id)
 
 
 def take_early_engines(run_id: str) -> RolloutEngines | None:
@@ -212,15 +198,12 @@ def take_early_engines(run_id: str) -> RolloutEngines | None:
 
 
 def register(rt: Runtime) -> None:
-    _RUNTIMES[rt.cfg.run_id] = rt
+    _RUNTIMES.register(rt.cfg.run_id, rt)
 
 
 def unregister(run_id: str) -> None:
-    _RUNTIMES.pop(run_id, None)
+    _RUNTIMES.unregister(run_id)
 
 
 def get(run_id: str) -> Runtime:
-    try:
-        return _RUNTIMES[run_id]
-    except KeyError:
-        raise RuntimeError(f"run {run_id} has no live runtime in this process") from None
+    return _RUNTIMES.get(run_id)

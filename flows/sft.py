@@ -20,20 +20,29 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from sluiceway.flows.config import RunConfig
 from sluiceway.flows.precision import resolve_precision
+from sluiceway.flows.scaffold import (
+    TRAINING_RUNS,
+    build_run_trainer,
+    check_device,
+    checkpoint_task,
+    close_trainer,
+    make_run_dir,
+    open_store,
+    publish_task,
+)
 from sluiceway.infra.errors import UserError
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
+from sluiceway.storage.checkpoints import load_checkpoint
 from sluiceway.storage.datasets import import_prompts, load_prompts
 from sluiceway.storage.metrics import append_metrics
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.tasks.rollout.prompts import dataset_table_name
 from sluiceway.tasks.train.batch import TrainSample
-from sluiceway.tasks.train.launch import build_trainer
 from sluiceway.tasks.train.remote import RemoteTrainer
 from sluiceway.tasks.train.sft_data import SftSettings, sft_samples
 from sluiceway.tasks.train.trainer import PolicyTrainer
@@ -55,12 +64,9 @@ class SftPrepared:
 def prepare_sft(cfg: RunConfig) -> SftPrepared:
     if cfg.algorithm.loss_type != "sft_loss":
         raise UserError("the SFT flow needs algorithm.loss_type sft_loss (`sluiceway sft` sets it)")
-    if cfg.resources.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA device is available (use --device cpu)")
-    if cfg.resources.num_threads:
-        torch.set_num_threads(cfg.resources.num_threads)
+    check_device(cfg)
     d = cfg.data
-    store = ObjectStore.from_uri(cfg.tables_uri, cfg.storage.s3_endpoint_url, cfg.storage.s3_region)
+    store = open_store(cfg)
     # One table per file and key choice: the same file read with other keys is other data.
     keys = hashlib.sha256(json.dumps([d.input_key, d.response_key, d.metadata_key]).encode()).hexdigest()[:8]
     table = f"{dataset_table_name(d.prompt_data, 0, cfg.training.seed)}-sft-{keys}"
@@ -111,55 +117,35 @@ class SftRun:
 
     @classmethod
     def create(cls, cfg: RunConfig, prep: SftPrepared) -> SftRun:
-        run_dir = Path(cfg.storage.output_dir).resolve()
-        run_dir.mkdir(parents=True, exist_ok=True)
-        tok = prep.tokenizer
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        run_dir = make_run_dir(cfg)
         total = num_steps(len(prep.samples), cfg)
         # Log-probs at temperature 1: SFT fits the model's own distribution, not a sampling temperature.
-        trainer = build_trainer(cfg, prep.hf_dir, pad, run_dir / "trainer", total, temperature=1.0)
+        trainer = build_run_trainer(cfg, prep.hf_dir, prep.tokenizer, run_dir, total, temperature=1.0)
         return cls(cfg, run_dir, prep, trainer, total)
 
     def resume(self) -> int:
         """Load the latest checkpoint, if any; return the first step still to train."""
-        if not self.checkpoint_path.exists():
+        step = load_checkpoint(self.trainer, self.checkpoint_path)
+        if step is None:
             return 0
-        step = self.trainer.load(self.checkpoint_path)
         log.info("resumed from %s (step %d)", self.checkpoint_path, step)
         return step + 1
 
 
-_RUNS: dict[str, SftRun] = {}
-_PREPARED: dict[str, SftPrepared] = {}  # the CLI preflight's work, handed to the flow in the same process
-
-
 def hand_over(cfg: RunConfig, prep: SftPrepared) -> None:
-    _PREPARED[cfg.run_id] = prep
+    """The CLI preflight's work, handed to the flow in the same process."""
+    TRAINING_RUNS.hand_over(cfg.run_id, prep)
 
 
 @task(name="sft-train", cache_policy=NO_CACHE, persist_result=False)
 def sft_train_task(run_id: str, step: int) -> dict:
-    run = _RUNS[run_id]
+    run = TRAINING_RUNS.get(run_id)
     idx = batch_indices(len(run.prep.samples), step, run.cfg)
     m = {f"train/{k}": v for k, v in run.trainer.train_sft([run.prep.samples[i] for i in idx], step).items()}
     m["train/samples"] = float(len(idx))
     m["epoch"] = step * run.cfg.training.global_batch_size / len(run.prep.samples)
     m["weight_version"] = float(run.trainer.weight_version)
     return m
-
-
-@task(name="checkpoint", cache_policy=NO_CACHE, persist_result=False)
-def checkpoint_task(run_id: str, step: int) -> str:
-    run = _RUNS[run_id]
-    run.trainer.save(run.checkpoint_path, step)
-    return str(run.checkpoint_path)
-
-
-@task(name="publish", cache_policy=NO_CACHE, persist_result=False)
-def publish_task(run_id: str) -> str:
-    """The trained weights as an HF model directory (weights/vNNNNNN), loadable by transformers or an engine."""
-    run = _RUNS[run_id]
-    return str(run.trainer.write_weights(run.prep.hf_dir, run.run_dir / "weights"))
 
 
 def format_step(step: int, total: int, m: dict) -> str:
@@ -174,9 +160,9 @@ def format_step(step: int, total: int, m: dict) -> str:
 def sft_flow(config: RunConfig) -> dict:
     """Fine-tune on `config`'s data file from its last checkpoint to the end (typed so the UI shows a form)."""
     cfg = resolve_precision(RunConfig.model_validate(config))  # auto -> bf16/fp32 (a UI run starts here)
-    prep = _PREPARED.pop(cfg.run_id, None) or prepare_sft(cfg)
+    prep = TRAINING_RUNS.take_prepared(cfg.run_id) or prepare_sft(cfg)
     run = SftRun.create(cfg, prep)
-    _RUNS[cfg.run_id] = run
+    TRAINING_RUNS.register(cfg.run_id, run)
     trained = 0
     try:
         start, total = run.resume(), run.total_steps
@@ -193,9 +179,9 @@ def sft_flow(config: RunConfig) -> dict:
                 print(format_step(step, total, m), flush=True)
         weights = publish_task(cfg.run_id)
     finally:
-        run = _RUNS.pop(cfg.run_id, None)
-        if run is not None and isinstance(run.trainer, RemoteTrainer):
-            run.trainer.close()
+        run = TRAINING_RUNS.unregister(cfg.run_id)
+        if run is not None:
+            close_trainer(run.trainer)
     return {
         "run_id": cfg.run_id,
         "steps": trained,
