@@ -24,7 +24,7 @@ stdout behind a random per-run nonce passed on stdin (not in the program text), 
 (``print("PASS")``, ``exit(0)``, ``os._exit``: a missing report counts as all-failed), but code that
 deliberately introspects the interpreter could forge it. Use ``io`` specs when that matters.
 
-Register it as a built-in scorer with ``BUILTIN["code"] = code_reward`` (tasks/reward/scorers.py).
+Register it as a built-in scorer with ``BUILTIN["code"] = code_reward`` (tasks/reward/scorer_registry.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sluiceway.flows.config import RunConfig
 from sluiceway.infra.errors import UserError
 from sluiceway.tasks.reward.score import RewardSettings
-from sluiceway.tasks.reward.scorers import get_scorer, remote_group_scorer
+from sluiceway.tasks.reward.scorer_registry import get_scorer, remote_group_scorer
 
 
 def build_reward_settings(cfg: RunConfig) -> RewardSettings:

@@ -3,7 +3,7 @@ several boxed answers, prompt injection)."""
 
 import pytest
 
-from sluiceway.tasks.reward.scorers import BUILTIN, get_scorer
+from sluiceway.tasks.reward.scorer_registry import BUILTIN, get_scorer
 from sluiceway.tasks.reward.verifiers import (
     combine,
     extract_answer,

@@ -1,4 +1,4 @@
-"""Choosing a scorer: a built-in by --rm-type, or the user's function by --custom-rm-path."""
+"""The scorer registry: --rm-type names a built-in scorer, --custom-rm-path the user's function."""
 
 from __future__ import annotations
 
