@@ -4,7 +4,6 @@ tests/integration/test_weight_deltas_cli.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 from safetensors.torch import load_file
+from weight_helpers import assert_holds, bits, publish_run, small_step, tiny_state
 
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.weights import (
@@ -43,10 +43,6 @@ SPECIAL = {
 }  # fmt: skip
 _UINT = {torch.float32: (torch.int32, np.uint32), torch.bfloat16: (torch.int16, np.uint16),
          torch.float16: (torch.int16, np.uint16)}  # fmt: skip
-
-
-def bits(t: torch.Tensor) -> bytes:
-    return st.from_torch(t).data
 
 
 def with_specials(t: torch.Tensor, where: list[tuple[int, int]]) -> torch.Tensor:
@@ -126,56 +122,6 @@ def test_publish_and_materialize_are_bit_exact(pairs, full_every):
             assert {k: bytes(t.data) for k, t in got.items()} == {k: bits(t) for k, t in sd.items()}
             assert meta["weight_version"] == str(v) and local_version(out) == v
             held = out
-
-
-def tiny_state(seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "model.embed_tokens.weight": torch.randn(64, 32, generator=g).bfloat16(),
-        "model.layers.0.mlp.up_proj.weight": torch.randn(48, 32, generator=g).bfloat16(),
-        "model.norm.weight": torch.ones(32, dtype=torch.bfloat16),
-        "lm_head.bias": torch.zeros(64, dtype=torch.float32),
-        "step": torch.tensor(seed, dtype=torch.int64),
-    }
-
-
-def small_step(sd: dict[str, torch.Tensor], version: int, frac: float = 0.02) -> dict[str, torch.Tensor]:
-    """An update that changes a few percent of the bf16 weights by a small relative step (as a small lr does)."""
-    g = torch.Generator().manual_seed(1000 + version)
-    out = {}
-    for k, t in sd.items():
-        if t.dtype == torch.bfloat16 and "norm" not in k:  # the norm stays: a tensor a delta skips
-            mask = torch.rand(t.shape, generator=g) < frac
-            t = torch.where(mask, (t.float() * (1 + 0.01 * torch.randn(t.shape, generator=g))).bfloat16(), t)
-        out[k] = t.clone()
-    out["step"] = torch.tensor(version, dtype=torch.int64)
-    return out
-
-
-def model_dir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 32}))
-    (path / "tokenizer.json").write_text(json.dumps({"vocab": list(range(64))}))
-    return path
-
-
-def publish_run(wstore, tmp: Path, n: int, **kw) -> list[dict[str, torch.Tensor]]:
-    pub = WeightPublisher(wstore, **kw)
-    sd, states = tiny_state(), []
-    files = model_dir(tmp / "hf")
-    for v in range(1, n + 1):
-        pub.publish(v, sd, files)
-        states.append(sd)
-        sd = small_step(sd, v + 1)
-    return states
-
-
-def assert_holds(out: Path, sd: dict[str, torch.Tensor]) -> None:
-    got, _ = st.read(out / "model.safetensors")
-    assert {k: bytes(t.data) for k, t in got.items()} == {k: bits(t) for k, t in sd.items()}
-    loaded = load_file(out / "model.safetensors")  # and it is a file safetensors / HF load
-    assert all(bits(loaded[k]) == bits(sd[k]) for k in sd)
-    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
 
 
 def test_store_round_trip(store, tmp_path):
