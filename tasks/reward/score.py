@@ -4,7 +4,7 @@ Only rows whose reward is still null are scored, so a re-run scores nothing twic
 or runs past its time limit gives that sample reward 0, with `reward_status` ("error" or "timeout") and a
 message in `reward_details`; the step goes on.
 
-Scorers (see scorers.py) take one sample: (response, label, sample) -> float | (float, details) | dict.
+Scorers (see scorer_registry.py) take one sample: (response, label, sample) -> float | (float, details) | dict.
 With --group-rm the user's function takes a whole group: (responses, labels, samples) -> list of the same.
 Either kind may be an async function.
 With --reward-key a dict result's value under that key is the reward and the rest goes to the details.
