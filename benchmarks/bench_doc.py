@@ -7,9 +7,10 @@ project runs on (some have AVX-512 and bf16 instructions, some only AVX2), and t
 from __future__ import annotations
 
 import os
-import platform
 import re
 from pathlib import Path
+
+from sluiceway.infra.precision import read_cpuinfo
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 _HEADER = "# Benchmarks\n\nMeasured numbers; each section is refreshed by its script and names the machine it ran on.\n"
@@ -21,27 +22,13 @@ _FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 _ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 
 
-def _cpuinfo(path: str = "/proc/cpuinfo") -> tuple[str, str | None, set[str]]:
-    """(model name, cpu family, flags) of the first CPU in /proc/cpuinfo; the platform's name elsewhere."""
-    try:
-        text = Path(path).read_text()
-    except OSError:
-        return platform.processor() or platform.machine() or "unknown CPU", None, set()
-    fields: dict[str, str] = {}
-    for line in text.split("\n\n", 1)[0].splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    name = fields.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
-    return name, fields.get("cpu family"), set(fields.get("flags", "").split())
-
-
 def machine_line(cpuinfo: str = "/proc/cpuinfo") -> str:
     """One line saying what a benchmark ran on: CPU model, cores, the ISA flags that matter, ISA overrides, GPU.
 
     e.g. "AMD EPYC (family 26), 2 cores; avx2 avx512f avx512_bf16, no amx_tile amx_bf16; ATen CPU capability
     AVX512; ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA unset; torch 2.13.0+cpu; no GPU"
     """
-    name, family, flags = _cpuinfo(cpuinfo)
+    name, family, flags = read_cpuinfo(cpuinfo)
     cpu = f"{name} (family {family})" if family else name
     total = os.cpu_count() or 0
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else total

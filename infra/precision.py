@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -56,18 +57,23 @@ class CpuProbe:
         return self.bf16_gflops / self.fp32_gflops if self.fp32_gflops > 0 else 0.0
 
 
+def read_cpuinfo(path: str = "/proc/cpuinfo") -> tuple[str, str | None, set[str]]:
+    """(model name, cpu family, flags) of the first CPU in /proc/cpuinfo; the platform's name elsewhere."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return platform.processor() or platform.machine() or "unknown CPU", None, set()
+    fields: dict[str, str] = {}
+    for line in text.split("\n\n", 1)[0].splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
+    return name, fields.get("cpu family"), set(fields.get("flags", "").split())
+
+
 def cpu_description() -> str:
     """The CPU model and the flags that decide bf16 speed, e.g. 'AMD EPYC (avx2 avx512f avx512_bf16)'."""
-    model, flags = "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown CPU":
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
+    model, _, flags = read_cpuinfo()
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx_ne_convert")
     present = [f for f in wanted if f in flags] or ["no avx2"]
     limits = [f"{k}={os.environ[k]}" for k in ISA_VARIABLES if os.environ.get(k)]

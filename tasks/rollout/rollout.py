@@ -341,37 +341,12 @@ class Rollout:
             await self.client.abort_all()  # the engines return what they have for the rest
 
 
-async def run_rollout(
-    *,
-    client: RolloutClient,
-    store,
-    run_id: str,
-    step: int,
-    work: list[GroupWork],
-    settings: RolloutSettings,
-    decode: Callable[[list[int]], str],
-    group_filter: Callable[[list[dict]], str | None] | None = None,
-    engine: str = "router",
-    on_progress: Callable[[int, int], None] | None = None,
-    remote_pools: list[PoolTarget] = (),
-    min_version: int | None = None,
-) -> RolloutResult:
-    """Generate the planned groups the table does not hold yet; stop when `groups_needed` have finished
-    (see :class:`Rollout`)."""
-    return await Rollout(
-        client=client,
-        store=store,
-        run_id=run_id,
-        step=step,
-        work=work,
-        settings=settings,
-        decode=decode,
-        group_filter=group_filter,
-        engine=engine,
-        on_progress=on_progress,
-        remote_pools=remote_pools,
-        min_version=min_version,
-    ).run()
+async def run_rollout(**kwargs) -> RolloutResult:
+    """Generate the planned groups the table does not hold yet; stop when `groups_needed` have finished.
+
+    Takes :class:`Rollout`'s keyword arguments.
+    """
+    return await Rollout(**kwargs).run()
 
 
 async def _unless(event: asyncio.Event, call):
