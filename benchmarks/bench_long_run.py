@@ -45,6 +45,7 @@ from pathlib import Path
 
 from bench_doc import write_section  # benchmarks/ is the script's own directory
 
+from sluiceway.storage.maintenance import maintain
 from sluiceway.storage.metrics import METRICS, append_metrics
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.stages import STAGES, finished_stage, record_stage
@@ -323,6 +324,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=None, help="JSON results file")
     p.add_argument("--doc", action="store_true", help="write a section of docs/benchmarks.md")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--maintenance-every", type=int, default=50,
+                   help="table upkeep every N steps, as storage.maintenance_interval (0: none, the old behaviour)")
+    p.add_argument("--retention-hours", type=float, default=168.0, help="replay retention (storage.retention_hours)")
     a = p.parse_args(argv)
     checkpoints = sorted({int(x) for x in a.checkpoints.split(",") if x.strip()})
     if a.steps not in checkpoints:  # always report where the run ended
@@ -356,6 +360,7 @@ def main(argv: list[str] | None = None) -> dict:
         t_start = time.perf_counter()
         deadline = t_start + a.max_minutes * 60 if a.max_minutes else None
         stopped = False
+        upkeeps: list[dict] = []
         for step in range(a.steps):
             before = counter.snapshot() if counter else None
             t0 = time.perf_counter()
@@ -364,6 +369,14 @@ def main(argv: list[str] | None = None) -> dict:
             reqs = S3Counter.diff(counter.snapshot(), before) if counter else None
             steps.append({"step": step + 1, "total_s": total, "times": dict(timer.times),
                           "calls": dict(timer.calls), "s3_requests": reqs})
+            if a.maintenance_every and (step + 1) % a.maintenance_every == 0:  # as flows/rl.py's upkeep task
+                before = counter.snapshot() if counter else None
+                t0 = time.perf_counter()
+                done = maintain(store, list(TABLES), a.retention_hours)
+                reqs = S3Counter.diff(counter.snapshot(), before) if counter else None
+                upkeeps.append({"step": step + 1, "seconds": time.perf_counter() - t0,
+                                "s3_requests": sum(reqs.values()) if reqs else None,
+                                "tables": {u.table: vars(u) for u in done}})
             if (step + 1) in checkpoints or (step + 1) % 25 == 0 or step == 0:
                 extra = f", {sum(reqs.values()):.0f} S3 requests" if reqs else ""
                 print(f"step {step + 1}: {total:.3f} s storage{extra} "
@@ -386,6 +399,7 @@ def main(argv: list[str] | None = None) -> dict:
         "wall_s": wall,
         "checkpoints": summarize(steps, sorted(set(checkpoints)), a.window),
         "sizes": sizes,
+        "upkeeps": upkeeps,
         "steps": steps,
     }
     text = render(res)

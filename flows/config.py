@@ -304,6 +304,19 @@ class StorageSettings(_Group):
     )
     s3_endpoint_url: str | None = Field(None, description="S3 endpoint (else AWS_ENDPOINT_URL).")
     s3_region: str | None = Field(None, description="S3 region (else AWS_REGION, default us-east-1).")
+    retention_hours: float = Field(
+        24.0,
+        ge=0,
+        description="Replay retention: a table version stays replayable (time travel, `sluiceway replay "
+        "--replay-version`) for at least this many hours after it was committed; upkeep then drops older log "
+        "entries and the data files only they read (docs/storage.md).",
+    )
+    maintenance_interval: int = Field(
+        50,
+        ge=0,
+        description="Table upkeep every N steps (compaction, log checkpoint, log cleanup and vacuum within the "
+        "retention), so storage costs stay flat over a long run; 0 turns it off.",
+    )
 
 
 class SyncConfig(_Group):

@@ -22,9 +22,11 @@ from sluiceway.flows.config import RunConfig
 from sluiceway.flows.logging_backends import MetricLoggers
 from sluiceway.flows.precision import resolve_precision
 from sluiceway.flows.retry import retry_transient
-from sluiceway.storage.metrics import append_metrics
-from sluiceway.storage.stages import finished_stage, record_stage
-from sluiceway.storage.trajectories import read_trajectories
+from sluiceway.storage.evals import EVALS
+from sluiceway.storage.maintenance import maintain
+from sluiceway.storage.metrics import METRICS, append_metrics
+from sluiceway.storage.stages import STAGES, finished_stage, record_stage
+from sluiceway.storage.trajectories import TRAJECTORIES, read_trajectories
 from sluiceway.tasks.evaluate.evaluate import evaluate
 from sluiceway.tasks.filter.apply import filter_step
 from sluiceway.tasks.filter.filters import build_filters
@@ -32,6 +34,9 @@ from sluiceway.tasks.reward.score import score_step
 from sluiceway.tasks.rollout.prompts import adaptive_step_prompts, eval_rollout_settings
 from sluiceway.tasks.rollout.rollout import plan_step, prompt_indices_for_step, run_rollout
 from sluiceway.tasks.train.batch import build_train_samples, max_staleness, rollout_metrics
+
+# The tables a run writes step after step, which upkeep keeps flat.
+UPKEEP_TABLES = [TRAJECTORIES, STAGES, METRICS, EVALS]
 
 # The model state lives in the process, so Prefect must not cache these tasks; idempotency comes from
 # the tables instead (a re-run skips groups and rewards already stored).
@@ -138,6 +143,20 @@ def train_task(run_id: str, step: int) -> dict:
     metrics["time/train_start"], metrics["time/train_end"] = started, time.time()
     metrics["rollout/staleness_max"] = float(max_staleness(table, trained_at))
     return metrics
+
+
+@task(name="upkeep", cache_policy=NO_CACHE, persist_result=False)
+def upkeep_task(run_id: str, step: int) -> dict:
+    """Compact, checkpoint and clean the run's tables within the replay retention (storage/maintenance.py)."""
+    rt = runtime.get(run_id)
+    done = maintain(rt.store, UPKEEP_TABLES, rt.cfg.storage.retention_hours)
+    return {u.table: {"version": u.version, "compacted": u.files_compacted, "vacuumed": u.files_vacuumed,
+                      "seconds": round(u.seconds, 3)} for u in done}
+
+
+def upkeep_due(cfg: RunConfig, step: int) -> bool:
+    every = cfg.storage.maintenance_interval
+    return bool(every) and (step + 1) % every == 0
 
 
 @task(name="sync", cache_policy=NO_CACHE, persist_result=False)
@@ -300,6 +319,8 @@ def rl_flow(config: RunConfig) -> dict:
             if interval and ((step + 1) % interval == 0 or step + 1 == total):
                 stages.wait_in_flight()  # evaluation shares the engines; let generation settle first
                 loggers.log(step + 1, eval_task(cfg.run_id, step + 1))
+            if upkeep_due(cfg, step):
+                upkeep_task(cfg.run_id, step)
             arts.step_done(rt.store)  # metrics table and curves (curves.png), at most every minute
     finally:
         arts.finish(rt.store)

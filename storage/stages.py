@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import threading
 from typing import Any
 
 import pyarrow as pa
 
+from sluiceway.storage import handles
 from sluiceway.storage.object_store import ObjectStore
-from sluiceway.storage.tables import append_idempotent, read_table, table_exists
+from sluiceway.storage.tables import append_idempotent, table_exists
+from sluiceway.storage.views import NewRows, partition_view
 
 STAGES = "stages"
 
@@ -44,18 +47,36 @@ def record_stage(store: ObjectStore, run_id: str, step: int, stage: str, result:
     return append_idempotent(store, STAGES, table, app_id=f"stage/{run_id}/{step}/{stage}", partition_by=["run_id"])
 
 
+class _Ledger:
+    """One run's ledger in memory: (step, stage) -> result JSON, advanced with each new ledger file."""
+
+    def __init__(self, rows: NewRows) -> None:
+        self.rows = rows
+        self.results: dict[tuple[int, str], str] = {}
+        self.lock = threading.Lock()
+
+    def current(self) -> dict[tuple[int, str], str]:
+        with self.lock:
+            for t in self.rows.poll():
+                cols = t.select(["step", "stage", "result"]).to_pydict()
+                self.results.update(zip(zip(cols["step"], cols["stage"], strict=True), cols["result"], strict=True))
+            return self.results
+
+
+def _ledger(store: ObjectStore, run_id: str) -> _Ledger:
+    return partition_view(handles.handle(store, STAGES), "ledger", [("run_id", "=", run_id)], _Ledger)
+
+
 def finished_stage(store: ObjectStore, run_id: str, step: int, stage: str) -> dict[str, Any] | None:
     """The recorded result of a finished stage, or None if it has not finished."""
     if not table_exists(store, STAGES):
         return None
-    filters = [("run_id", "=", run_id), ("step", "=", int(step)), ("stage", "=", stage)]
-    rows = read_table(store, STAGES, filters=filters, columns=["result"]).column("result").to_pylist()
-    return json.loads(rows[0]) if rows else None
+    result = _ledger(store, run_id).current().get((int(step), stage))
+    return None if result is None else json.loads(result)
 
 
 def finished_stages(store: ObjectStore, run_id: str) -> list[tuple[int, str]]:
     """(step, stage) of every finished stage of the run, in step order."""
     if not table_exists(store, STAGES):
         return []
-    t = read_table(store, STAGES, filters=[("run_id", "=", run_id)], columns=["step", "stage"])
-    return sorted(zip(t.column("step").to_pylist(), t.column("stage").to_pylist()))
+    return sorted(_ledger(store, run_id).current())

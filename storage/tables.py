@@ -15,8 +15,10 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
+from sluiceway.storage import handles
 from sluiceway.storage.object_store import ObjectStore
 
 # The version we record for an app_id: we only ever ask "has this batch been written", so 1 means "yes".
@@ -30,12 +32,17 @@ WRITE_LOCK = threading.RLock()
 
 
 def table_exists(store: ObjectStore, name: str) -> bool:
+    if handles.cached(store, name) is not None:  # tables are never deleted under a running process
+        return True
     with store.redacting():
         return DeltaTable.is_deltatable(store.table_uri(name), storage_options=store.storage_options)
 
 
 def open_table(store: ObjectStore, name: str, version: int | None = None) -> DeltaTable:
-    """The Delta table ``name`` (at ``version`` for time travel); raises deltalake's TableNotFoundError if absent."""
+    """The Delta table ``name``: the process's long-lived handle brought up to date (storage/handles.py), or
+    a table of its own at ``version`` for time travel. Raises deltalake's TableNotFoundError if absent."""
+    if version is None:
+        return handles.handle(store, name).latest()
     with store.redacting():
         return DeltaTable(store.table_uri(name), version=version, storage_options=store.storage_options)
 
@@ -118,7 +125,7 @@ def append_idempotent_many(
     uri = store.table_uri(name)
     with WRITE_LOCK, store.redacting():
         if table_exists(store, name):
-            dt = open_table(store, name)
+            dt = open_table(store, name)  # the handle: the write below advances it in place
             new = [dt.transaction_version(app_id) is None for _, app_id in items]
             if not any(new):
                 return new
@@ -136,6 +143,20 @@ def append_idempotent_many(
     return new
 
 
+def rewrite_partition(store: ObjectStore, name: str, partition: dict[str, str | int], data: pa.Table) -> int:
+    """Replace the rows of one partition (``{"run_id": ..., "step": ...}``) with ``data``, in one commit.
+
+    An overwrite restricted by a predicate on the partition columns: it removes that partition's files and adds
+    the new one, and costs the same however many other partitions the table has (a Delta merge scans every
+    file of the table to plan the join). Returns the new table version.
+    """
+    predicate = " AND ".join(f"{k} = {sql_literal(v)}" for k, v in partition.items())
+    with WRITE_LOCK, store.redacting():
+        dt = open_table(store, name)
+        write_deltalake(dt, conform(data, table_schema(dt), what=name), mode="overwrite", predicate=predicate)
+        return dt.version()
+
+
 def read_table(
     store: ObjectStore,
     name: str,
@@ -145,11 +166,20 @@ def read_table(
 ) -> pa.Table:
     """Table ``name`` (at ``version``) as pyarrow; ``filters`` are DNF tuples like ``[("step", "=", 3)]``.
 
-    Filters on partition columns prune files; others are applied while scanning.
+    The filters prune files while the log is replayed (partition values and min/max statistics), so only
+    files that can hold matching rows are set up and read; rows are then filtered exactly.
     """
     dt = open_table(store, name, version)
     with store.redacting():
-        return dt.to_pyarrow_table(filters=filters, columns=columns)
+        return scan(dt, filters, columns)
+
+
+def scan(dt: DeltaTable, filters: Any = None, columns: list[str] | None = None) -> pa.Table:
+    """Rows of an open table matching DNF ``filters`` (files pruned before they are opened)."""
+    if not filters:
+        return dt.to_pyarrow_dataset().to_table(columns=columns)
+    dataset = dt.to_pyarrow_dataset(file_pruning_predicate=filters)
+    return dataset.to_table(columns=columns, filter=pq.filters_to_expression(filters))
 
 
 def sql_literal(value: str | float) -> str:

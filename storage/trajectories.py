@@ -13,16 +13,17 @@ from typing import Any, TypedDict
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
+from sluiceway.storage import handles
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.tables import (
     WRITE_LOCK,
     append_idempotent,
     append_idempotent_many,
     conform,
-    open_table,
     read_table,
-    sql_literal,
+    rewrite_partition,
     table_exists,
 )
 
@@ -152,19 +153,31 @@ def append_trajectory_groups(store: ObjectStore, groups: list[tuple[list[dict[st
 
 def read_trajectories(store: ObjectStore, run_id: str, step: int | None = None, version: int | None = None) -> pa.Table:
     """Samples of ``run_id`` (one step, or all; at Delta ``version`` for time travel), sorted by step, group,
-    sample; typed as TRAJECTORY_SCHEMA."""
+    sample; typed as TRAJECTORY_SCHEMA.
+
+    The latest rows of one step come from the step cache while the step's files are unchanged: reward, filter
+    and train read the step the stage before them wrote, and pay for the read once.
+    """
     if not table_exists(store, TRAJECTORIES):
         return TRAJECTORY_SCHEMA.empty_table()
-    table = read_table(store, TRAJECTORIES, version=version, filters=_partition_filter(run_id, step))
-    return table.select(TRAJECTORY_SCHEMA.names).cast(TRAJECTORY_SCHEMA).sort_by(SORT_KEYS)
+    if step is None or version is not None:
+        return _typed(read_table(store, TRAJECTORIES, version=version, filters=_partition_filter(run_id, step)))
+    h = handles.handle(store, TRAJECTORIES)
+    with h.lock:
+        dataset = _step_dataset(h, run_id, step)
+        files = frozenset(f.path for f in dataset.get_fragments())
+        hit = _step_cache(h).get((run_id, int(step)))
+        if hit is not None and hit[0] == files:
+            return hit[1]
+        with store.redacting():
+            table = _typed(dataset.to_table(filter=pq.filters_to_expression(_partition_filter(run_id, step))))
+        _remember(h, run_id, step, files, table)
+        return table
 
 
 def existing_group_ids(store: ObjectStore, run_id: str, step: int) -> set[int]:
     """Groups already stored for a step: a resumed rollout generates only the missing ones."""
-    if not table_exists(store, TRAJECTORIES):
-        return set()
-    table = read_table(store, TRAJECTORIES, filters=_partition_filter(run_id, step), columns=["group_id"])
-    return set(pc.unique(table.column("group_id")).to_pylist())
+    return set(read_trajectories(store, run_id, step).column("group_id").to_pylist())
 
 
 def update_samples(
@@ -172,47 +185,46 @@ def update_samples(
 ) -> int:
     """Set `columns` on the samples `keys` = [(group_id, sample_index)] of one step.
 
-    A Delta merge restricted to the (run_id, step) partition; rows whose values already match are left
-    alone, so re-applying the same update commits nothing. Returns the number of rows changed. Every key
-    must exist (an update for an unknown sample is a bug upstream, not something to drop).
+    The step's rows are updated in memory and the step's partition rewritten in one commit
+    (tables.rewrite_partition); rows whose values already match are left alone, and an update that changes
+    nothing commits nothing. Returns the number of rows changed. Every key must exist (an update for an
+    unknown sample is a bug upstream, not something to drop).
     """
     if not keys:
         return 0
     keys = [(int(g), int(i)) for g, i in keys]
     if len(set(keys)) != len(keys):
         raise ValueError(f"{what}: duplicate (group_id, sample_index) keys for {run_id} step {step}")
-    present = read_trajectories_keys(store, run_id, step)
-    missing = [k for k in keys if k not in present]
-    if missing:
-        raise ValueError(
-            f"{what}: {len(missing)} (group_id, sample_index) keys not stored for {run_id} step {step}, "
-            f"e.g. {missing[:3]}"
-        )
-    n = len(keys)
-    source = pa.table(
-        {
-            "run_id": pa.array([run_id] * n, pa.string()),
-            "step": pa.array([step] * n, pa.int64()),
-            "group_id": pa.array([k[0] for k in keys], pa.int64()),
-            "sample_index": pa.array([k[1] for k in keys], pa.int64()),
-            **columns,
-        }
-    )
-    # Literals on the partition columns let deltalake prune every other partition before joining.
-    predicate = (
-        f"t.run_id = {sql_literal(run_id)} AND t.step = {sql_literal(int(step))} "
-        "AND t.run_id = s.run_id AND t.step = s.step "
-        "AND t.group_id = s.group_id AND t.sample_index = s.sample_index"
-    )
-    changed = " OR ".join(f"(t.{c} IS DISTINCT FROM s.{c})" for c in columns)
-    with WRITE_LOCK, store.redacting():
-        dt = open_table(store, TRAJECTORIES)
-        metrics = (
-            dt.merge(source, predicate=predicate, source_alias="s", target_alias="t")
-            .when_matched_update(updates={c: f"s.{c}" for c in columns}, predicate=changed)
-            .execute()
-        )
-    return int(metrics["num_target_rows_updated"])
+    with WRITE_LOCK:
+        current = read_trajectories(store, run_id, step)
+        where = {k: n for n, k in enumerate(zip(current.column("group_id").to_pylist(),
+                                                current.column("sample_index").to_pylist(), strict=True))}
+        missing = [k for k in keys if k not in where]
+        if missing:
+            raise ValueError(
+                f"{what}: {len(missing)} (group_id, sample_index) keys not stored for {run_id} step {step}, "
+                f"e.g. {missing[:3]}"
+            )
+        changed_rows: set[int] = set()
+        updated = current
+        for name, values in columns.items():
+            column = current.column(name).to_pylist()
+            for k, value in zip(keys, values.to_pylist(), strict=True):
+                row = where[k]
+                if not _same(column[row], value):
+                    column[row] = value
+                    changed_rows.add(row)
+            field = TRAJECTORY_SCHEMA.field(name)
+            updated = updated.set_column(updated.schema.get_field_index(name), field, pa.array(column, field.type))
+        if not changed_rows:
+            return 0
+        rewrite_partition(store, TRAJECTORIES, {"run_id": run_id, "step": int(step)}, updated)
+        # What this commit wrote is what the next stage reads: keep it under the step's new files.
+        h = handles.handle(store, TRAJECTORIES)
+        with h.lock:  # the handle is at our commit already (the write advanced it; WRITE_LOCK is held)
+            files = frozenset(f.path for f in _step_dataset(h, run_id, step, refresh=False).get_fragments())
+            _remember(h, run_id, step, files, updated)
+    return len(changed_rows)
 
 
 def set_rewards(
@@ -237,11 +249,7 @@ def set_filter_reasons(store: ObjectStore, run_id: str, step: int, reasons: list
 
 def read_trajectories_keys(store: ObjectStore, run_id: str, step: int) -> set[tuple[int, int]]:
     """The (group_id, sample_index) keys stored for one step."""
-    if not table_exists(store, TRAJECTORIES):
-        return set()
-    table = read_table(
-        store, TRAJECTORIES, filters=_partition_filter(run_id, step), columns=["group_id", "sample_index"]
-    )
+    table = read_trajectories(store, run_id, step)
     return set(zip(table.column("group_id").to_pylist(), table.column("sample_index").to_pylist(), strict=True))
 
 
@@ -322,6 +330,40 @@ def _json_text(value: Any, name: str) -> str | None:
         return json.dumps(value, sort_keys=True)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{name}: not JSON-serializable ({exc})") from None
+
+
+# How many recent steps the step cache keeps per table (the stages of one step, and async rollout's next one).
+STEP_CACHE_SIZE = 4
+
+
+def _typed(table: pa.Table) -> pa.Table:
+    return table.select(TRAJECTORY_SCHEMA.names).cast(TRAJECTORY_SCHEMA).sort_by(SORT_KEYS)
+
+
+def _step_dataset(h: handles.Handle, run_id: str, step: int, refresh: bool = True):
+    """The step's files at the newest version, pruned while the log is replayed (no file opened yet)."""
+    with h.store.redacting():
+        dt = h.latest() if refresh else h.table
+        return dt.to_pyarrow_dataset(file_pruning_predicate=_partition_filter(run_id, step))
+
+
+def _step_cache(h: handles.Handle) -> dict[tuple[str, int], tuple[frozenset[str], pa.Table]]:
+    # Kept on the handle so it lives and dies with it; valid only while the step's set of files is the same
+    # (a commit that touches the step replaces or adds a file). Assumes one process writes a given step.
+    return h.views.setdefault("steps", {})
+
+
+def _remember(h: handles.Handle, run_id: str, step: int, files: frozenset[str], table: pa.Table) -> None:
+    cache = _step_cache(h)
+    cache.pop((run_id, int(step)), None)
+    cache[(run_id, int(step))] = (files, table)
+    while len(cache) > STEP_CACHE_SIZE:
+        cache.pop(next(iter(cache)))
+
+
+def _same(a: Any, b: Any) -> bool:
+    """SQL's NOT DISTINCT: equal, or both null (or both NaN)."""
+    return a == b or (a is None and b is None) or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
 
 
 def _partition_filter(run_id: str, step: int | None) -> list[tuple[str, str, Any]]:

@@ -52,9 +52,10 @@ def resolve_version(store: ObjectStore, version: int | None = None, timestamp: _
     first = _dt.datetime.fromtimestamp(first_ms / 1000, _dt.UTC)
     if ts < first:
         raise UserError(f"--replay-timestamp {ts.isoformat()}: before the first commit of {uri} ({first.isoformat()})")
+    at = open_table(store, TRAJECTORIES, version=latest)  # a table of its own: the shared handle stays current
     with store.redacting():
-        dt.load_as_version(ts)
-    return dt.version()
+        at.load_as_version(ts)
+    return at.version()
 
 
 def open_source(
@@ -72,8 +73,8 @@ def open_source(
             store, TRAJECTORIES, version=v, filters=[("run_id", "=", run_id)],
             columns=["step", "reward", "status", "filter_reason"],
         )  # fmt: skip
-    except DeltaError as e:  # e.g. a version whose log was cleaned up
-        raise UserError(f"--replay-version {v}: cannot read {store.table_uri(TRAJECTORIES)} ({e})") from None
+    except (DeltaError, OSError) as e:  # its log entries or data files were cleaned up (storage/maintenance.py)
+        raise UserError(not_replayable(store, v, e)) from None
     stored = sorted(set(cols.column("step").to_pylist()))
     if not stored:
         raise UserError(f"--replay-run-id {run_id}: no trajectories of that run in {where}")
@@ -92,6 +93,19 @@ def open_source(
             "pick a later version or leave the step out with --replay-steps"
         )
     return ReplaySource(store, run_id, v, chosen)
+
+
+def not_replayable(store: ObjectStore, version: int, error: Exception) -> str:
+    """The one line for a version that table upkeep has cleaned up (or that cannot be read for another reason)."""
+    uri = store.table_uri(TRAJECTORIES)
+    dt = open_table(store, TRAJECTORIES)
+    kept = dt.metadata().configuration.get("delta.logRetentionDuration")
+    if kept is None:
+        return f"--replay-version {version}: cannot read {uri} ({error})"
+    return (
+        f"--replay-version {version}: no longer replayable from {uri}: upkeep keeps versions for "
+        f"storage.retention_hours ({kept}) and removed this one; pick a later version (the latest is {dt.version()})"
+    )
 
 
 def step_batch(

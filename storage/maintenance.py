@@ -1,0 +1,118 @@
+"""Table upkeep: what keeps a table costing the same at step 3,000 as at step 3, and what it costs time travel.
+
+Every commit adds a file to a table's `_delta_log`, and every small append adds a data file. Both are paid
+for on every later commit: delta-rs lists the log on each commit (on a local disk that lists the whole
+directory) and replays the files since the last checkpoint. `maintain_table` runs, in this order:
+
+1. compaction (`optimize.compact`): a partition's small files become one (the stage ledger and metrics get
+   a file per record; a trajectory step's partition has one file once its stages are done);
+2. a log checkpoint at the newest version, so opening the table replays nothing;
+3. log cleanup (`cleanup_metadata`): log entries older than the retention, before a checkpoint;
+4. `vacuum`: data files removed from the table longer ago than the retention.
+
+**Replay retention.** A table version stays replayable (`sluiceway replay --replay-version V`, Delta time
+travel) for `retention_hours` after the next version superseded it: its log entries and the data files it
+read are kept that long. Older versions are gone after the next upkeep, and asking for one is a one-line
+error (tasks/train/replay.py). The latest version is always readable. The retention is a table property
+(`delta.logRetentionDuration`, `delta.deletedFileRetentionDuration`) set by the upkeep, so every Delta client
+reading the table honours the same window.
+
+Every step of upkeep is an ordinary Delta commit or a deletion of files no version inside the window reads,
+so a process killed in the middle leaves the table as readable as before (at worst with unreferenced files
+that the next vacuum removes).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from deltalake import DeltaTable
+
+from sluiceway.storage.object_store import ObjectStore
+from sluiceway.storage.tables import WRITE_LOCK, open_table, table_exists
+
+DEFAULT_RETENTION_HOURS = 24.0
+# Commits between log checkpoints (Delta's default is 100).
+CHECKPOINT_INTERVAL = 25
+
+
+@dataclass
+class Upkeep:
+    """What one table's upkeep did."""
+
+    table: str
+    version: int  # the version after upkeep
+    files_compacted: int  # small files rewritten into bigger ones
+    log_files_before: int | None  # entries in _delta_log before cleanup (None: not counted on this store)
+    log_files_after: int | None
+    files_vacuumed: int  # data files deleted
+    seconds: float
+
+
+def retention_interval(hours: float) -> str:
+    """A Delta interval for `hours` (whole seconds, rounded up: never shorter than asked)."""
+    if hours < 0 or math.isnan(hours):
+        raise ValueError(f"retention_hours: {hours} is negative; expected hours >= 0")
+    return f"interval {math.ceil(hours * 3600)} seconds"
+
+
+def set_retention(dt: DeltaTable, hours: float) -> bool:
+    """Record the replay retention on the table (one commit, only when it changed)."""
+    interval = retention_interval(hours)
+    want = {
+        "delta.logRetentionDuration": interval,
+        "delta.deletedFileRetentionDuration": interval,
+        # Readers replay the commits since the last checkpoint on every refresh and idempotency check.
+        "delta.checkpointInterval": str(CHECKPOINT_INTERVAL),
+    }
+    have = dt.metadata().configuration
+    if all(have.get(k) == v for k, v in want.items()):
+        return False
+    dt.alter.set_table_properties(want)
+    return True
+
+
+def maintain_table(store: ObjectStore, name: str, retention_hours: float = DEFAULT_RETENTION_HOURS) -> Upkeep | None:
+    """Compact, checkpoint and clean one table (see the module docstring); None if the table does not exist."""
+    if not table_exists(store, name):
+        return None
+    t0 = time.perf_counter()
+    # Writers of this process wait: compaction commits against the same partitions they append to.
+    with WRITE_LOCK, store.redacting():
+        dt = open_table(store, name)
+        set_retention(dt, retention_hours)
+        compacted = dt.optimize.compact()
+        dt.create_checkpoint()
+        before = _log_entries(store, name)
+        dt.cleanup_metadata()
+        after = _log_entries(store, name)
+        # vacuum wants whole hours: round up, so a file is kept at least as long as the retention says.
+        vacuumed = dt.vacuum(
+            retention_hours=math.ceil(retention_hours), dry_run=False, enforce_retention_duration=False
+        )
+        version = dt.version()
+    return Upkeep(
+        table=name,
+        version=version,
+        files_compacted=int(compacted.get("numFilesRemoved", 0)),
+        log_files_before=before,
+        log_files_after=after,
+        files_vacuumed=len(vacuumed),
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def maintain(store: ObjectStore, names: list[str], retention_hours: float = DEFAULT_RETENTION_HOURS) -> list[Upkeep]:
+    """`maintain_table` for each of `names` that exists."""
+    return [u for u in (maintain_table(store, n, retention_hours) for n in names) if u is not None]
+
+
+def _log_entries(store: ObjectStore, name: str) -> int | None:
+    if store.is_s3:
+        return None  # a LIST of the whole log: the very cost upkeep avoids; not worth paying to report
+    from pathlib import Path
+
+    log = Path(store.table_uri(name)) / "_delta_log"
+    return sum(1 for _ in log.iterdir()) if log.is_dir() else 0
