@@ -13,9 +13,8 @@ place. One lock per handle keeps a refresh and the read that follows it from int
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from collections import OrderedDict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from deltalake import DeltaTable
@@ -44,8 +43,23 @@ class Handle:
     def latest(self) -> DeltaTable:
         """The table at its newest committed version (reads only the log entries after the handle's version)."""
         with self.lock, self.store.redacting():
-            self.table.update_incremental()
+            if not self._unchanged_on_disk():
+                self.table.update_incremental()
         return self.table
+
+    def _unchanged_on_disk(self) -> bool:
+        """On a local disk: no commit after the handle's version (two stats instead of a listing).
+
+        delta-rs lists the whole `_delta_log` directory to find new commits on a local disk (S3 lists from an
+        offset), which costs more with every entry the retention keeps (docs/storage.md). Versions are
+        contiguous, so no `{v+1}.json` means no newer version, provided `{v}.json` itself is still there (log
+        clean-up removes entries oldest first; if ours is gone, newer ones may be too, and we list).
+        """
+        if self.store.is_s3:
+            return False
+        v = self.table.version()
+        log = Path(self.store.table_uri(self.name)) / "_delta_log"
+        return not (log / f"{v + 1:020d}.json").exists() and (log / f"{v:020d}.json").exists()
 
     @property
     def version(self) -> int:
@@ -89,15 +103,10 @@ def forget(store: ObjectStore, name: str | None = None) -> None:
 
     Needed only when a table is deleted or replaced underneath the process (a handle never goes backwards).
     """
-    prefix = store.table_uri(name) if name else store.table_uri("")
     with _lock:
-        for key in [k for k in _handles if (k[0] == prefix if name else k[0].startswith(prefix))]:
+        if name:
+            _handles.pop(_key(store, name), None)
+            return
+        prefix = store.root.rstrip("/") + "/"
+        for key in [k for k in _handles if k[0].startswith(prefix)]:
             del _handles[key]
-
-
-@contextmanager
-def latest_locked(store: ObjectStore, name: str) -> Iterator[DeltaTable]:
-    """The up-to-date table, with its handle's lock held for the block (refresh and read as one)."""
-    h = handle(store, name)
-    with h.lock:
-        yield h.latest()

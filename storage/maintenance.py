@@ -6,9 +6,9 @@ directory) and replays the files since the last checkpoint. `maintain_table` run
 
 1. compaction (`optimize.compact`): a partition's small files become one (the stage ledger and metrics get
    a file per record; a trajectory step's partition has one file once its stages are done);
-2. a log checkpoint at the newest version, so opening the table replays nothing;
-3. log cleanup (`cleanup_metadata`): log entries older than the retention, before a checkpoint;
-4. `vacuum`: data files removed from the table longer ago than the retention.
+2. `vacuum` (full): data files no version inside the retention reads;
+3. a log checkpoint at the newest version, so opening or refreshing the table replays nothing older;
+4. log cleanup (`cleanup_metadata`): log entries older than the retention, before a checkpoint.
 
 **Replay retention.** A table version stays replayable (`sluiceway replay --replay-version V`, Delta time
 travel) for `retention_hours` after the next version superseded it: its log entries and the data files it
@@ -84,14 +84,16 @@ def maintain_table(store: ObjectStore, name: str, retention_hours: float = DEFAU
         dt = open_table(store, name)
         set_retention(dt, retention_hours)
         compacted = dt.optimize.compact()
+        # Full: every file no version inside the window reads, including those whose removal a checkpoint has
+        # already forgotten (checkpoints drop expired removals; the log alone would leave those files behind).
+        # Whole hours, rounded up, so a file is kept at least as long as the retention says.
+        vacuumed = dt.vacuum(
+            retention_hours=math.ceil(retention_hours), dry_run=False, enforce_retention_duration=False, full=True
+        )
         dt.create_checkpoint()
         before = _log_entries(store, name)
         dt.cleanup_metadata()
         after = _log_entries(store, name)
-        # vacuum wants whole hours: round up, so a file is kept at least as long as the retention says.
-        vacuumed = dt.vacuum(
-            retention_hours=math.ceil(retention_hours), dry_run=False, enforce_retention_duration=False
-        )
         version = dt.version()
     return Upkeep(
         table=name,
