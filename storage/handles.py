@@ -13,8 +13,8 @@ place. One lock per handle keeps a refresh and the read that follows it from int
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 from deltalake import DeltaTable

@@ -50,21 +50,21 @@ def record_stage(store: ObjectStore, run_id: str, step: int, stage: str, result:
 class _Ledger:
     """One run's ledger in memory: (step, stage) -> result JSON, advanced with each new ledger file."""
 
-    def __init__(self, rows: NewRows) -> None:
-        self.rows = rows
+    def __init__(self, handle: handles.Handle, partition: dict[str, str]) -> None:
+        self.rows = NewRows(handle, partition, ["step", "stage", "result"])
         self.results: dict[tuple[int, str], str] = {}
         self.lock = threading.Lock()
 
     def current(self) -> dict[tuple[int, str], str]:
         with self.lock:
             for t in self.rows.poll():
-                cols = t.select(["step", "stage", "result"]).to_pydict()
+                cols = t.to_pydict()
                 self.results.update(zip(zip(cols["step"], cols["stage"], strict=True), cols["result"], strict=True))
             return self.results
 
 
 def _ledger(store: ObjectStore, run_id: str) -> _Ledger:
-    return partition_view(handles.handle(store, STAGES), "ledger", [("run_id", "=", run_id)], _Ledger)
+    return partition_view(handles.handle(store, STAGES), "ledger", {"run_id": run_id}, _Ledger)
 
 
 def finished_stage(store: ObjectStore, run_id: str, step: int, stage: str) -> dict[str, Any] | None:
