@@ -31,11 +31,10 @@ from dataclasses import dataclass
 from deltalake import DeltaTable
 
 from sluiceway.storage.object_store import ObjectStore
-from sluiceway.storage.tables import WRITE_LOCK, open_table, table_exists
+from sluiceway.storage.tables import TABLE_PROPERTIES, WRITE_LOCK, open_table, table_exists
 
 DEFAULT_RETENTION_HOURS = 24.0
-# Commits between log checkpoints (Delta's default is 100).
-CHECKPOINT_INTERVAL = 25
+MIN_IDEMPOTENCY_HOURS = 1.0
 
 
 @dataclass
@@ -64,8 +63,10 @@ def set_retention(dt: DeltaTable, hours: float) -> bool:
     want = {
         "delta.logRetentionDuration": interval,
         "delta.deletedFileRetentionDuration": interval,
-        # Readers replay the commits since the last checkpoint on every refresh and idempotency check.
-        "delta.checkpointInterval": str(CHECKPOINT_INTERVAL),
+        # Idempotent-append ids are looked up on every append; older ones are forgotten after the retention,
+        # but never within an hour: that is the window in which a stage's retries re-send a write.
+        "delta.setTransactionRetentionDuration": retention_interval(max(hours, MIN_IDEMPOTENCY_HOURS)),
+        **TABLE_PROPERTIES,  # tables made before these existed get them here
     }
     have = dt.metadata().configuration
     if all(have.get(k) == v for k, v in want.items()):

@@ -11,6 +11,7 @@ app_id are caught by Delta's conflict checker (concurrent transaction) rather th
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pyarrow as pa
@@ -23,6 +24,11 @@ from sluiceway.storage.object_store import ObjectStore
 
 # The version we record for an app_id: we only ever ask "has this batch been written", so 1 means "yes".
 _WRITTEN = 1
+
+# Every table is created with these. Each refresh and idempotency check replays the commits since the last
+# log checkpoint, so checkpoints come more often than Delta's default of every 100 commits.
+CHECKPOINT_INTERVAL = 25
+TABLE_PROPERTIES = {"delta.checkpointInterval": str(CHECKPOINT_INTERVAL)}
 
 
 # Writes from one process go one at a time: with asynchronous rollout, generation threads append and merge
@@ -137,8 +143,18 @@ def append_idempotent_many(
             new = [True] * len(items)
             data = pa.concat_tables([d for d, _ in items], promote_options="permissive")
             target = uri
-            extra = {"partition_by": partition_by, "storage_options": store.storage_options}
-        apps = [Transaction(app_id=app_id, version=_WRITTEN) for (_, app_id), n in zip(items, new) if n]
+            extra = {
+                "partition_by": partition_by,
+                "storage_options": store.storage_options,
+                "configuration": TABLE_PROPERTIES,
+            }
+        # The time lets Delta forget ids older than the table's delta.setTransactionRetentionDuration (upkeep).
+        now_ms = int(time.time() * 1000)
+        apps = [
+            Transaction(app_id=app_id, version=_WRITTEN, last_updated=now_ms)
+            for (_, app_id), n in zip(items, new, strict=True)
+            if n
+        ]
         write_deltalake(target, data, mode="append", commit_properties=CommitProperties(app_transactions=apps), **extra)
     return new
 
