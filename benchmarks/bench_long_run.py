@@ -43,9 +43,9 @@ from contextlib import ExitStack, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench_doc import write_section  # benchmarks/ is the script's own directory
+from bench_doc import machine_line, write_section  # benchmarks/ is the script's own directory
 
-from sluiceway.storage.maintenance import maintain
+from sluiceway.storage.maintenance import maintain_run
 from sluiceway.storage.metrics import METRICS, append_metrics
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.stages import STAGES, finished_stage, record_stage
@@ -277,9 +277,10 @@ def render(res: dict) -> str:
         f"{SECTION} ({store})",
         "",
         f"`benchmarks/bench_long_run.py --store {store} --steps {a['steps']} --groups {a['groups']} "
-        f"--samples {a['samples']}`: the storage and ledger calls of one RL step each step (two group appends, "
-        "three ledger checks and three records, three reads of the step, the reward and filter merges, one "
-        "metrics append) on synthetic rows "
+        f"--samples {a['samples']} --retention-hours {a.get('retention_hours', 168)} "
+        f"--maintenance-every {a.get('maintenance_every', 0)}`: the storage and ledger calls of one RL step each "
+        "step (two group appends, three ledger checks and three records, three reads of the step, the reward and "
+        "filter updates, one metrics append) on synthetic rows "
         f"({a['groups']} groups x {a['samples']} samples, {a['prompt_len']}-token prompts, up to "
         f"{a['response_len']}-token responses). Reached {res['steps_done']} of {a['steps']} steps in "
         f"{res['wall_s']:.0f} s{' (stopped by --max-minutes)' if res['stopped_early'] else ''}; "
@@ -302,6 +303,19 @@ def render(res: dict) -> str:
     else:
         lines += ["S3 requests: not counted for this store.", ""] if store == "local" else [
             "S3 requests: the server's metrics port did not answer; not counted.", ""]
+    ups = res.get("upkeeps") or []
+    if ups:
+        secs = sorted(u["seconds"] for u in ups)
+        reqs = [u["s3_requests"] for u in ups if u.get("s3_requests") is not None]
+        lines += [
+            f"Upkeep (storage/maintenance.py, all three tables) every {a['maintenance_every']} steps, "
+            f"{len(ups)} times: median {statistics.median(secs):.2f} s, max {secs[-1]:.2f} s, i.e. "
+            f"{sum(secs) / max(1, res['steps_done']):.3f} s a step amortized; not in the per-step columns"
+            + (f"; S3 requests per upkeep: median {statistics.median(reqs):.0f}" if reqs else "") + ".",
+            "",
+        ]
+    else:
+        lines += ["No upkeep (--maintenance-every 0).", ""]
     lines += ["Tables at the end:", "", "| table | files | bytes | log files | log bytes |",
               "| --- | ---: | ---: | ---: | ---: |"]
     for name, s in res["sizes"].items():
@@ -327,7 +341,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--maintenance-every", type=int, default=50,
                    help="table upkeep every N steps, as storage.maintenance_interval (0: none, the old behaviour)")
     p.add_argument("--retention-hours", type=float, default=168.0, help="replay retention (storage.retention_hours)")
+    p.add_argument("--from-json", default=None, help="render a saved --out file again (no run)")
     a = p.parse_args(argv)
+    if a.from_json:
+        res = json.loads(Path(a.from_json).read_text())
+        text = render(res)
+        print(text)
+        if a.doc:
+            write_section(text, f"{SECTION} ({res['store']})", machine=res.get("machine"))
+        return res
     checkpoints = sorted({int(x) for x in a.checkpoints.split(",") if x.strip()})
     if a.steps not in checkpoints:  # always report where the run ended
         checkpoints.append(a.steps)
@@ -372,7 +394,7 @@ def main(argv: list[str] | None = None) -> dict:
             if a.maintenance_every and (step + 1) % a.maintenance_every == 0:  # as flows/rl.py's upkeep task
                 before = counter.snapshot() if counter else None
                 t0 = time.perf_counter()
-                done = maintain(store, list(TABLES), a.retention_hours)
+                done = maintain_run(store, RUN_ID, step + 1, a.retention_hours)
                 reqs = S3Counter.diff(counter.snapshot(), before) if counter else None
                 upkeeps.append({"step": step + 1, "seconds": time.perf_counter() - t0,
                                 "s3_requests": sum(reqs.values()) if reqs else None,
@@ -394,6 +416,7 @@ def main(argv: list[str] | None = None) -> dict:
         "store": a.store,
         "args": vars(a),
         "date": datetime.now(UTC).strftime("%Y-%m-%d"),
+        "machine": machine_line(),
         "steps_done": len(steps),
         "stopped_early": stopped,
         "wall_s": wall,

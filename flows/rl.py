@@ -22,11 +22,10 @@ from sluiceway.flows.config import RunConfig
 from sluiceway.flows.logging_backends import MetricLoggers
 from sluiceway.flows.precision import resolve_precision
 from sluiceway.flows.retry import retry_transient
-from sluiceway.storage.evals import EVALS
-from sluiceway.storage.maintenance import maintain
-from sluiceway.storage.metrics import METRICS, append_metrics
-from sluiceway.storage.stages import STAGES, finished_stage, record_stage
-from sluiceway.storage.trajectories import TRAJECTORIES, read_trajectories
+from sluiceway.storage.maintenance import maintain_run
+from sluiceway.storage.metrics import append_metrics
+from sluiceway.storage.stages import finished_stage, record_stage
+from sluiceway.storage.trajectories import read_trajectories
 from sluiceway.tasks.evaluate.evaluate import evaluate
 from sluiceway.tasks.filter.apply import filter_step
 from sluiceway.tasks.filter.filters import build_filters
@@ -34,9 +33,6 @@ from sluiceway.tasks.reward.score import score_step
 from sluiceway.tasks.rollout.prompts import adaptive_step_prompts, eval_rollout_settings
 from sluiceway.tasks.rollout.rollout import plan_step, prompt_indices_for_step, run_rollout
 from sluiceway.tasks.train.batch import build_train_samples, max_staleness, rollout_metrics
-
-# The tables a run writes step after step, which upkeep keeps flat.
-UPKEEP_TABLES = [TRAJECTORIES, STAGES, METRICS, EVALS]
 
 # The model state lives in the process, so Prefect must not cache these tasks; idempotency comes from
 # the tables instead (a re-run skips groups and rewards already stored).
@@ -149,7 +145,7 @@ def train_task(run_id: str, step: int) -> dict:
 def upkeep_task(run_id: str, step: int) -> dict:
     """Compact, checkpoint and clean the run's tables within the replay retention (storage/maintenance.py)."""
     rt = runtime.get(run_id)
-    done = maintain(rt.store, UPKEEP_TABLES, rt.cfg.storage.retention_hours)
+    done = maintain_run(rt.store, run_id, step + 1, rt.cfg.storage.retention_hours)
     return {u.table: {"version": u.version, "compacted": u.files_compacted, "vacuumed": u.files_vacuumed,
                       "seconds": round(u.seconds, 3)} for u in done}
 

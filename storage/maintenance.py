@@ -4,8 +4,9 @@ Every commit adds a file to a table's `_delta_log`, and every small append adds 
 for on every later commit: delta-rs lists the log on each commit (on a local disk that lists the whole
 directory) and replays the files since the last checkpoint. `maintain_table` runs, in this order:
 
-1. compaction (`optimize.compact`): a partition's small files become one (the stage ledger and metrics get
-   a file per record; a trajectory step's partition has one file once its stages are done);
+1. compaction: a partition's small files become one (`optimize.compact`: the stage ledger and metrics get
+   a file per record), and a run's finished trajectory steps become one file per block of 100 steps
+   (`storage/trajectories.compact_steps`, run by `maintain_run`);
 2. `vacuum` (full): data files no version inside the retention reads;
 3. a log checkpoint at the newest version, so opening or refreshing the table replays nothing older;
 4. log cleanup (`cleanup_metadata`): log entries older than the retention, before a checkpoint.
@@ -30,8 +31,15 @@ from dataclasses import dataclass
 
 from deltalake import DeltaTable
 
+from sluiceway.storage.evals import EVALS
+from sluiceway.storage.metrics import METRICS
 from sluiceway.storage.object_store import ObjectStore
+from sluiceway.storage.stages import STAGES
 from sluiceway.storage.tables import TABLE_PROPERTIES, WRITE_LOCK, open_table, table_exists
+from sluiceway.storage.trajectories import TRAJECTORIES, compact_steps
+
+# The tables a run writes step after step.
+RUN_TABLES = [TRAJECTORIES, STAGES, METRICS, EVALS]
 
 DEFAULT_RETENTION_HOURS = 24.0
 MIN_IDEMPOTENCY_HOURS = 1.0
@@ -75,8 +83,11 @@ def set_retention(dt: DeltaTable, hours: float) -> bool:
     return True
 
 
-def maintain_table(store: ObjectStore, name: str, retention_hours: float = DEFAULT_RETENTION_HOURS) -> Upkeep | None:
-    """Compact, checkpoint and clean one table (see the module docstring); None if the table does not exist."""
+def maintain_table(
+    store: ObjectStore, name: str, retention_hours: float = DEFAULT_RETENTION_HOURS, compact: bool = True
+) -> Upkeep | None:
+    """Compact (unless told not to), clean and checkpoint one table (see the module docstring); None if the
+    table does not exist."""
     if not table_exists(store, name):
         return None
     t0 = time.perf_counter()
@@ -84,7 +95,7 @@ def maintain_table(store: ObjectStore, name: str, retention_hours: float = DEFAU
     with WRITE_LOCK, store.redacting():
         dt = open_table(store, name)
         set_retention(dt, retention_hours)
-        compacted = dt.optimize.compact()
+        compacted = dt.optimize.compact() if compact else {}
         # Full: every file no version inside the window reads, including those whose removal a checkpoint has
         # already forgotten (checkpoints drop expired removals; the log alone would leave those files behind).
         # Whole hours, rounded up, so a file is kept at least as long as the retention says.
@@ -110,6 +121,26 @@ def maintain_table(store: ObjectStore, name: str, retention_hours: float = DEFAU
 def maintain(store: ObjectStore, names: list[str], retention_hours: float = DEFAULT_RETENTION_HOURS) -> list[Upkeep]:
     """`maintain_table` for each of `names` that exists."""
     return [u for u in (maintain_table(store, n, retention_hours) for n in names) if u is not None]
+
+
+def maintain_run(
+    store: ObjectStore, run_id: str, done_before: int, retention_hours: float = DEFAULT_RETENTION_HOURS
+) -> list[Upkeep]:
+    """A run's upkeep after step ``done_before - 1`` finished: its finished trajectory steps compacted in blocks
+    (`compact_steps`; `optimize` would bin the steps still in flight with old ones), then every table of the
+    run compacted, cleaned and checkpointed."""
+    t0 = time.perf_counter()
+    replaced = compact_steps(store, run_id, done_before)
+    done = []
+    for name in RUN_TABLES:
+        upkeep = maintain_table(store, name, retention_hours, compact=name != TRAJECTORIES)
+        if upkeep is None:
+            continue
+        if name == TRAJECTORIES:
+            upkeep.files_compacted = replaced
+            upkeep.seconds = time.perf_counter() - t0
+        done.append(upkeep)
+    return done
 
 
 def _log_entries(store: ObjectStore, name: str) -> int | None:

