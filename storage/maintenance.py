@@ -36,7 +36,7 @@ from sluiceway.storage.metrics import METRICS
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.stages import STAGES
 from sluiceway.storage.tables import TABLE_PROPERTIES, WRITE_LOCK, open_table, table_exists
-from sluiceway.storage.trajectories import TRAJECTORIES, compact_steps
+from sluiceway.storage.trajectories import STEP_BLOCK, TRAJECTORIES, compact_steps
 
 # The tables a run writes step after step.
 RUN_TABLES = [TRAJECTORIES, STAGES, METRICS, EVALS]
@@ -124,13 +124,17 @@ def maintain(store: ObjectStore, names: list[str], retention_hours: float = DEFA
 
 
 def maintain_run(
-    store: ObjectStore, run_id: str, done_before: int, retention_hours: float = DEFAULT_RETENTION_HOURS
+    store: ObjectStore,
+    run_id: str,
+    done_before: int,
+    retention_hours: float = DEFAULT_RETENTION_HOURS,
+    block_steps: int = STEP_BLOCK,
 ) -> list[Upkeep]:
     """A run's upkeep after step ``done_before - 1`` finished: its finished trajectory steps compacted in blocks
     (`compact_steps`; `optimize` would bin the steps still in flight with old ones), then every table of the
     run compacted, cleaned and checkpointed."""
     t0 = time.perf_counter()
-    replaced = compact_steps(store, run_id, done_before)
+    replaced = compact_steps(store, run_id, done_before, block_steps)
     done = []
     for name in RUN_TABLES:
         upkeep = maintain_table(store, name, retention_hours, compact=name != TRAJECTORIES)

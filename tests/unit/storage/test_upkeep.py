@@ -21,8 +21,8 @@ from sluiceway.storage.tables import open_table, table_version
 from sluiceway.storage.trajectories import (
     TRAJECTORIES,
     append_trajectories,
-    compact_steps,
     append_trajectory_groups,
+    compact_steps,
     read_trajectories,
     set_filter_reasons,
     set_rewards,
