@@ -278,6 +278,7 @@ def render(res: dict) -> str:
         "",
         f"`benchmarks/bench_long_run.py --store {store} --steps {a['steps']} --groups {a['groups']} "
         f"--samples {a['samples']} --retention-hours {a.get('retention_hours', 168)} "
+        f"--idempotency-hours {a.get('idempotency_hours', 1.0)} "
         f"--maintenance-every {a.get('maintenance_every', 0)}`: the storage and ledger calls of one RL step each "
         "step (two group appends, three ledger checks and three records, three reads of the step, the reward and "
         "filter updates, one metrics append) on synthetic rows "
@@ -340,7 +341,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--maintenance-every", type=int, default=50,
                    help="table upkeep every N steps, as storage.maintenance_interval (0: none, the old behaviour)")
-    p.add_argument("--retention-hours", type=float, default=168.0, help="replay retention (storage.retention_hours)")
+    p.add_argument("--retention-hours", type=float, default=24.0, help="replay retention (storage.retention_hours)")
+    p.add_argument("--idempotency-hours", type=float, default=1.0, help="id window (storage.idempotency_hours)")
     p.add_argument("--from-json", default=None, help="render a saved --out file again (no run)")
     a = p.parse_args(argv)
     if a.from_json:
@@ -394,7 +396,7 @@ def main(argv: list[str] | None = None) -> dict:
             if a.maintenance_every and (step + 1) % a.maintenance_every == 0:  # as flows/rl.py's upkeep task
                 before = counter.snapshot() if counter else None
                 t0 = time.perf_counter()
-                done = maintain_run(store, RUN_ID, step + 1, a.retention_hours)
+                done = maintain_run(store, RUN_ID, step + 1, a.retention_hours, idempotency_hours=a.idempotency_hours)
                 reqs = S3Counter.diff(counter.snapshot(), before) if counter else None
                 upkeeps.append({"step": step + 1, "seconds": time.perf_counter() - t0,
                                 "s3_requests": sum(reqs.values()) if reqs else None,

@@ -311,6 +311,12 @@ class StorageSettings(_Group):
         "--replay-version`) for at least this many hours after it was committed; upkeep then drops older log "
         "entries and the data files only they read (docs/storage.md).",
     )
+    idempotency_hours: float = Field(
+        1.0,
+        gt=0,
+        description="How long a table remembers the id of each idempotent write, so a retried stage does not "
+        "write twice; ids are looked up on every append, so fewer kept means cheaper appends (docs/storage.md).",
+    )
     maintenance_interval: int = Field(
         50,
         ge=0,

@@ -145,7 +145,8 @@ def train_task(run_id: str, step: int) -> dict:
 def upkeep_task(run_id: str, step: int) -> dict:
     """Compact, checkpoint and clean the run's tables within the replay retention (storage/maintenance.py)."""
     rt = runtime.get(run_id)
-    done = maintain_run(rt.store, run_id, step + 1, rt.cfg.storage.retention_hours)
+    st = rt.cfg.storage
+    done = maintain_run(rt.store, run_id, step + 1, st.retention_hours, idempotency_hours=st.idempotency_hours)
     return {u.table: {"version": u.version, "compacted": u.files_compacted, "vacuumed": u.files_vacuumed,
                       "seconds": round(u.seconds, 3)} for u in done}
 

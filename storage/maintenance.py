@@ -42,7 +42,8 @@ from sluiceway.storage.trajectories import STEP_BLOCK, TRAJECTORIES, compact_ste
 RUN_TABLES = [TRAJECTORIES, STAGES, METRICS, EVALS]
 
 DEFAULT_RETENTION_HOURS = 24.0
-MIN_IDEMPOTENCY_HOURS = 1.0
+# How long an idempotent append's id is remembered (storage.idempotency_hours).
+DEFAULT_IDEMPOTENCY_HOURS = 1.0
 
 
 @dataclass
@@ -65,15 +66,14 @@ def retention_interval(hours: float) -> str:
     return f"interval {math.ceil(hours * 3600)} seconds"
 
 
-def set_retention(dt: DeltaTable, hours: float) -> bool:
-    """Record the replay retention on the table (one commit, only when it changed)."""
+def set_retention(dt: DeltaTable, hours: float, idempotency_hours: float = DEFAULT_IDEMPOTENCY_HOURS) -> bool:
+    """Record the replay retention and the id window on the table (one commit, only when they changed)."""
     interval = retention_interval(hours)
     want = {
         "delta.logRetentionDuration": interval,
         "delta.deletedFileRetentionDuration": interval,
-        # Idempotent-append ids are looked up on every append; older ones are forgotten after the retention,
-        # but never within an hour: that is the window in which a stage's retries re-send a write.
-        "delta.setTransactionRetentionDuration": retention_interval(max(hours, MIN_IDEMPOTENCY_HOURS)),
+        # Every append looks its ids up and every checkpoint carries them: Delta forgets those older than this.
+        "delta.setTransactionRetentionDuration": retention_interval(idempotency_hours),
         **TABLE_PROPERTIES,  # tables made before these existed get them here
     }
     have = dt.metadata().configuration
@@ -84,7 +84,11 @@ def set_retention(dt: DeltaTable, hours: float) -> bool:
 
 
 def maintain_table(
-    store: ObjectStore, name: str, retention_hours: float = DEFAULT_RETENTION_HOURS, compact: bool = True
+    store: ObjectStore,
+    name: str,
+    retention_hours: float = DEFAULT_RETENTION_HOURS,
+    compact: bool = True,
+    idempotency_hours: float = DEFAULT_IDEMPOTENCY_HOURS,
 ) -> Upkeep | None:
     """Compact (unless told not to), clean and checkpoint one table (see the module docstring); None if the
     table does not exist."""
@@ -94,7 +98,7 @@ def maintain_table(
     # Writers of this process wait: compaction commits against the same partitions they append to.
     with WRITE_LOCK, store.redacting():
         dt = open_table(store, name)
-        set_retention(dt, retention_hours)
+        set_retention(dt, retention_hours, idempotency_hours)
         compacted = dt.optimize.compact() if compact else {}
         # Full: every file no version inside the window reads, including those whose removal a checkpoint has
         # already forgotten (checkpoints drop expired removals; the log alone would leave those files behind).
@@ -129,6 +133,7 @@ def maintain_run(
     done_before: int,
     retention_hours: float = DEFAULT_RETENTION_HOURS,
     block_steps: int = STEP_BLOCK,
+    idempotency_hours: float = DEFAULT_IDEMPOTENCY_HOURS,
 ) -> list[Upkeep]:
     """A run's upkeep after step ``done_before - 1`` finished: its finished trajectory steps compacted in blocks
     (`compact_steps`; `optimize` would bin the steps still in flight with old ones), then every table of the
@@ -137,7 +142,7 @@ def maintain_run(
     replaced = compact_steps(store, run_id, done_before, block_steps)
     done = []
     for name in RUN_TABLES:
-        upkeep = maintain_table(store, name, retention_hours, compact=name != TRAJECTORIES)
+        upkeep = maintain_table(store, name, retention_hours, name != TRAJECTORIES, idempotency_hours)
         if upkeep is None:
             continue
         if name == TRAJECTORIES:
