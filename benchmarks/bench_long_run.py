@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--response-len", type=int, default=256)
     p.add_argument("--checkpoints", default="10,100,1000,3000", help="comma-separated steps to report")
-    p.add_argument("--window", type=int, default=5, help="steps per checkpoint median")
+    p.add_argument("--window", type=int, default=25, help="steps per checkpoint median (fewer at the first ones)")
     p.add_argument("--max-minutes", type=float, default=None, help="stop after this long; report steps reached")
     p.add_argument("--dir", default=None, help="where the store lives (default: a temporary directory, removed)")
     p.add_argument("--out", default=None, help="JSON results file")
@@ -347,6 +347,9 @@ def main(argv: list[str] | None = None) -> dict:
     a = p.parse_args(argv)
     if a.from_json:
         res = json.loads(Path(a.from_json).read_text())
+        if a.window != res["args"]["window"]:  # medians over another window, from the stored per-step times
+            res["args"]["window"] = a.window
+            res["checkpoints"] = summarize(res["steps"], [c["step"] for c in res["checkpoints"]], a.window)
         text = render(res)
         print(text)
         if a.doc:

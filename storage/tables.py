@@ -27,7 +27,7 @@ _WRITTEN = 1
 
 # Every table is created with these. Each refresh and idempotency check replays the commits since the last
 # log checkpoint, so checkpoints come more often than Delta's default of every 100 commits.
-CHECKPOINT_INTERVAL = 25
+CHECKPOINT_INTERVAL = 10
 TABLE_PROPERTIES = {"delta.checkpointInterval": str(CHECKPOINT_INTERVAL)}
 
 

@@ -41,6 +41,7 @@ def test_sigkill_during_rollout_then_resume(tmp_path):
         "--micro-batch-size", "8", "--rollout-max-response-len", "24", "--rollout-temperature", "1.0",
         "--lr", "1e-3", "--save-interval", "1", "--env-size", "32", "--seed", "3", "--custom-rm-path", SCORER,
         "--num-rollout", str(STEPS), "--rollout-max-concurrency", "1",  # one request at a time: a long rollout
+        "--maintenance-interval", "1",  # table upkeep after every step: the resume reads compacted tables
     ]  # fmt: skip
     env = dict(os.environ, SLUICEWAY_CACHE=str(cache))
     tag = f"killed-{uuid.uuid4().hex}"
