@@ -27,7 +27,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Self
 
-from sluiceway.infra.proc import free_ports
+from sluiceway.infra.proc import die_with_parent, free_ports
 
 _HOST = "127.0.0.1"
 # weed derives a gRPC port as http port + 10000 wherever one is not given (the admin worker always does).
@@ -160,6 +160,7 @@ class SeaweedS3:
                 stderr=subprocess.STDOUT,
                 cwd=self.data_dir,
                 start_new_session=True,  # own process group: stop() kills weed and anything it spawned
+                preexec_fn=die_with_parent,  # atexit does not run when the owner is killed
             )
         atexit.register(self.stop)
         try:
