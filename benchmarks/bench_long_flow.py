@@ -189,6 +189,9 @@ def run_benchmark(args) -> dict:
     config = make_config(ns, run_dir).model_dump(mode="json")
     config["logging"]["quiet"] = False
     config["training"]["save_interval"] = args.save_interval
+    for key in ("retention_hours", "idempotency_hours"):  # table upkeep's windows (docs/storage.md)
+        if getattr(args, key, None) is not None:
+            config["storage"][key] = getattr(args, key)
     config_path = work / "long-flow.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     run_id = Path(run_dir).resolve().name
@@ -382,6 +385,8 @@ def render(res: dict) -> str:
         f"{a['samples']} --response-len {a['response_len']} --save-interval {a['save_interval']}"
     )
     flags += f" --kill-delay {a['kill_delay']}" if a["kill_delay"] else ""
+    for key in ("retention_hours", "idempotency_hours"):
+        flags += f" --{key.replace('_', '-')} {a[key]}" if a.get(key) is not None else ""
     flags += f" --relaunch {a['relaunch']}" if a["relaunch"] != "run" else ""
     growth = z["kill"]["step"] / z["start"]["step"] if z["start"]["n"] and z["kill"]["n"] else float("nan")
     every = "step" if a["save_interval"] == 1 else f"{a['save_interval']} steps"
@@ -457,6 +462,8 @@ def main() -> None:
     ap.add_argument("--save-interval", type=int, default=1, help="checkpoint every N steps (default 1)")
     ap.add_argument("--threads", type=int, default=None, help="--num-threads for the trainer (default: torch's)")
     ap.add_argument("--window", type=int, default=20, help="steps per window of the step-time medians")
+    ap.add_argument("--retention-hours", type=float, default=None, help="storage.retention_hours (config default)")
+    ap.add_argument("--idempotency-hours", type=float, default=None, help="storage.idempotency_hours (config default)")
     ap.add_argument("--stall-s", type=float, default=600.0, help="give up if no step finishes for this long")
     ap.add_argument("--workdir", default=None, help="where the run goes (default: a temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary run directory")
