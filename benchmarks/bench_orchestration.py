@@ -72,6 +72,8 @@ class Probe:
         self.active = False  # between the first step's start and the loop's end
 
     def mark(self, end: bool = False) -> None:
+        if not end and self.marks and not self.active:
+            self.marks.pop()  # an "end" the loop went on from (the flow refreshes its artifacts mid-run too)
         self.marks.append(time.perf_counter())
         self.active = not end
 
@@ -133,13 +135,16 @@ def install_storage_timers() -> int:
     import sluiceway.flows.rl  # noqa: F401  (import everything that binds storage functions first)
     import sluiceway.flows.runtime  # noqa: F401
 
-    modules = ["tables", "trajectories", "metrics", "datasets"]
+    modules = ["tables", "trajectories", "metrics", "datasets", "stages", "maintenance"]
+    # Plain functions on rows and Arrow tables that touch no storage (the typed sample's helpers, checks).
+    pure = {"is_finished", "is_trainable", "group_rows", "conform", "validate_trajectories", "sql_literal",
+            "table_schema", "retention_interval"}
     originals = {}
     for short in modules:
         mod = importlib.import_module(f"sluiceway.storage.{short}")
         for name, obj in vars(mod).items():
             if callable(obj) and getattr(obj, "__module__", None) == mod.__name__ and not name.startswith("_"):
-                if isinstance(obj, type):
+                if isinstance(obj, type) or name in pure:
                     continue
                 originals[id(obj)] = (obj, PROBE.storage_wrapper(obj))
     n = 0
@@ -205,7 +210,11 @@ def make_config(args, out_dir: Path):
         flags += ["--num-threads", str(args.threads)]
     if "mode" in RolloutConfig.model_fields:  # the asynchronous modes are being added to the flow
         flags += ["--mode", "sync"]  # stages in sequence: steps have boundaries, and B is the same loop
-    return resolve_config(make_parser().parse_args(flags))
+    from sluiceway.flows.precision import resolve_precision
+
+    # As `sluiceway run` does before the flow: B calls the stages directly and would otherwise never resolve
+    # precision `auto`, running in another dtype than A.
+    return resolve_precision(resolve_config(make_parser().parse_args(flags)), announce=False)
 
 
 def run_a(cfg) -> float:
