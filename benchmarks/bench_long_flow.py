@@ -59,6 +59,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_orchestration,
 from bench_doc import machine_line, write_section  # noqa: E402
 from bench_orchestration import make_config  # noqa: E402
 
+from sluiceway.infra.proc import processes_with_env  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+)\s")  # flows/rl.py format_step, printed once a step's metrics are in
@@ -121,19 +123,7 @@ class Launch:
 
 def processes_tagged(tag: str) -> list[int]:
     """Live processes whose environment holds TAG=tag (as tests/process_tags.py finds a test's processes)."""
-    needle, found = f"{TAG}={tag}\0".encode(), []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read() + b"\0":
-                    with open(f"/proc/{entry}/stat") as s:
-                        if s.read().split(")")[-1].split()[0] != "Z":
-                            found.append(int(entry))
-        except OSError:
-            pass
-    return found
+    return processes_with_env(TAG, tag)
 
 
 def sizes(run_dir: Path) -> dict:

@@ -11,6 +11,7 @@ Also the one place that picks free loopback ports for the processes it starts.
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import socket
 import sys
@@ -60,3 +61,25 @@ def free_ports(n: int, with_offset: int = 0) -> list[int]:
         for s in held:
             s.close()
     return ports
+
+
+def processes_with_env(name: str, value: str) -> list[int]:
+    """Live (not zombie) processes whose environment holds ``name=value``: the children of a run tagged so,
+    found even after they were re-parented (Linux /proc; an empty list elsewhere)."""
+
+    found = []
+    needle = f"{name}={value}\0".encode()
+    if not os.path.isdir("/proc"):
+        return found
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read() + b"\0":
+                    with open(f"/proc/{entry}/stat") as s:
+                        if s.read().split(")")[-1].split()[0] != "Z":
+                            found.append(int(entry))
+        except OSError:
+            pass
+    return found

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import uuid
 
+from sluiceway.infra.proc import processes_with_env
+
 TAG_VARIABLE = "SLUICEWAY_TEST_TAG"
 
 
@@ -24,17 +26,4 @@ def tagged_env(tag: str, base: dict | None = None) -> dict[str, str]:
 
 def processes_tagged(tag: str) -> list[int]:
     """Live (not zombie) processes whose environment holds SLUICEWAY_TEST_TAG=tag."""
-    found = []
-    needle = f"{TAG_VARIABLE}={tag}\0".encode()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read() + b"\0":
-                    with open(f"/proc/{entry}/stat") as s:
-                        if s.read().split(")")[-1].split()[0] != "Z":
-                            found.append(int(entry))
-        except OSError:
-            pass
-    return found
+    return processes_with_env(TAG_VARIABLE, tag)
