@@ -3,6 +3,8 @@ a Delta commit race), never a user's mistake or a bug, which would fail the same
 
 from __future__ import annotations
 
+import re
+
 import httpx
 
 from sluiceway.infra.errors import UserError
@@ -23,9 +25,19 @@ except ImportError:  # pragma: no cover - s3fs brings botocore
     pass
 
 
+# deltalake reports an object store it could not reach as a plain OSError saying "Generic S3 error"
+# (Rust's object_store, after its own retries); a client error (403 bad credentials, 404 no such bucket) will
+# fail the same way again, and a local disk's failures ("Generic LocalFileSystem error": disk full) are not
+# passing either.
+_OBJECT_STORE_DOWN = re.compile(r"\bGeneric (S3|GCS|MicrosoftAzure|HTTP) error")
+_CLIENT_ERROR = re.compile(r"status:? 4(?!08|29)\d\d")
+
+
 def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, UserError):
         return False
+    if type(exc) is OSError and _OBJECT_STORE_DOWN.search(str(exc)):
+        return not _CLIENT_ERROR.search(str(exc))
     if isinstance(exc, httpx.HTTPStatusError):
         return exc.response.status_code >= 500 or exc.response.status_code == 429
     if isinstance(exc, _TRANSIENT):
