@@ -83,3 +83,24 @@ def processes_with_env(name: str, value: str) -> list[int]:
         except OSError:
             pass
     return found
+
+
+def loopback_store(timeout_s: float = 300.0):
+    """A torch.distributed TCPStore for a world of one that listens on 127.0.0.1 only.
+
+    `init_process_group(init_method="tcp://127.0.0.1:PORT")` starts a store listening on every interface
+    (unauthenticated, reachable from the network); binding the socket ourselves and handing its descriptor
+    to the store keeps it on loopback.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    port = sock.getsockname()[1]
+    fd = sock.detach()  # the store owns the descriptor from here on
+    return dist.TCPStore(
+        "127.0.0.1", port, 1, True, datetime.timedelta(seconds=timeout_s), master_listen_fd=fd
+    )

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sluiceway.infra.proc import free_port
+from sluiceway.infra.proc import loopback_store
 from sluiceway.models.fused_logprobs import token_logprob_entropy
 
 with warnings.catch_warnings():
@@ -81,12 +81,8 @@ def init_parallel_state(
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             torch.distributed.init_process_group(backend=backend, init_method="env://")
         else:
-            torch.distributed.init_process_group(
-                backend=backend,
-                init_method=f"tcp://127.0.0.1:{free_port()}",
-                world_size=1,
-                rank=0,
-            )
+            # A store of our own: the tcp:// init method's store would listen on every interface.
+            torch.distributed.init_process_group(backend=backend, store=loopback_store(), world_size=1, rank=0)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_model_parallel_size,

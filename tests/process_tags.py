@@ -27,3 +27,29 @@ def tagged_env(tag: str, base: dict | None = None) -> dict[str, str]:
 def processes_tagged(tag: str) -> list[int]:
     """Live (not zombie) processes whose environment holds SLUICEWAY_TEST_TAG=tag."""
     return processes_with_env(TAG_VARIABLE, tag)
+
+
+def listening_sockets(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket process `pid` listens on, from /proc (IPv4 and IPv6)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    found = []
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                    continue
+                address, port = cols[1].split(":")
+                raw = bytes.fromhex(address)
+                # /proc prints each 32-bit word in host (little-endian) order
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                ip = ".".join(map(str, words)) if width == 8 else words.hex(":", 2)
+                found.append((ip, int(port, 16)))
+    return found
