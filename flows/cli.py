@@ -249,8 +249,8 @@ def _dispatch(command: str, cfg: RunConfig) -> int:
     from sluiceway.flows.resume import RESUMABLE, save_run_record
     from sluiceway.flows.run import configure_logging
 
+    preflight(cfg, command)  # file mistakes are one line here, before logging, engines or Prefect start
     configure_logging(cfg)
-    preflight(cfg, command)  # file mistakes are one line here, before engines or Prefect start
     # Resolved before the run record is written (a resumed run keeps the precision it started with) and before
     # the engines start; the flow logs the choice once everything is checked.
     cfg = resolve_precision(cfg, announce=False)

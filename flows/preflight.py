@@ -15,8 +15,10 @@ from sluiceway.flows.config import RunConfig
 from sluiceway.infra.errors import UserError
 
 
-def check_data_source(source: str, input_key: str, label_key: str | None, metadata_key: str) -> None:
-    """A prompt file (every line parsed and its keys checked) or an `env:` spec."""
+def check_data_source(
+    source: str, input_key: str, label_key: str | None, metadata_key: str, flag: str = "--prompt-data"
+) -> None:
+    """A prompt file (every line parsed and its keys checked) or an `env:` spec; errors name `flag`."""
     if source.startswith("env:"):
         from sluiceway.tasks.environments import parse_spec
 
@@ -24,7 +26,24 @@ def check_data_source(source: str, input_key: str, label_key: str | None, metada
         return
     from sluiceway.storage.datasets import check_prompt_file
 
-    check_prompt_file(source, input_key, label_key, metadata_key)
+    try:
+        check_prompt_file(source, input_key, label_key, metadata_key)
+    except UserError as e:
+        raise UserError(f"{flag} {e}") from None
+
+
+def check_output_dir(path: str) -> None:
+    """--output-dir must be a directory this process can create and write (checked before logging opens it)."""
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise UserError(f"--output-dir {path}: exists and is not a directory")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".sluiceway-write-check-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"--output-dir {path}: cannot create or write it ({e.strerror or e})") from None
 
 
 def check_model(name_or_dir: str, weights_root_ok: bool = False) -> None:
@@ -46,20 +65,29 @@ def check_plugin_file(path: str | None, flag: str) -> None:
     file, _, fn = path.rpartition(":")
     if not file or not fn:
         raise UserError(f"{flag} {path}: expected 'file.py:function' or 'module:function'")
-    if file.endswith(".py") and not Path(file).expanduser().is_file():
-        raise UserError(f"{flag} {path}: {file} not found")
+    if file.endswith(".py"):
+        source = Path(file).expanduser()
+        if not source.is_file():
+            raise UserError(f"{flag} {path}: {file} not found")
+        try:  # compiled, not run: a syntax error is the user's, and is one line here rather than at import
+            compile(source.read_bytes(), str(source), "exec")
+        except SyntaxError as e:
+            raise UserError(f"{flag} {path}: {file} line {e.lineno}: {e.msg}") from None
+        except (OSError, ValueError) as e:
+            raise UserError(f"{flag} {path}: cannot read {file} ({e})") from None
 
 
 def preflight(cfg: RunConfig, command: str) -> None:
     """Raise a UserError for the first mistake in what `cfg` names; `command` is run, sft, replay or eval."""
     d = cfg.data
+    check_output_dir(cfg.storage.output_dir)
     if command == "sft" and d.prompt_data:
         check_data_source(d.prompt_data, d.input_key, d.response_key, d.metadata_key)
     elif command == "run" and d.prompt_data:
         check_data_source(d.prompt_data, d.input_key, d.label_key, d.metadata_key)
     if command in ("run", "eval"):
         for _, source in cfg.eval_sets:
-            check_data_source(source, d.input_key, d.label_key, d.metadata_key)
+            check_data_source(source, d.input_key, d.label_key, d.metadata_key, flag="--eval-prompt-data")
     check_model(cfg.training.hf_checkpoint, weights_root_ok=command == "eval")
     check_plugin_file(cfg.reward.custom_rm_path, "--custom-rm-path")
     check_plugin_file(cfg.rollout.custom_generate_function_path, "--custom-generate-function-path")

@@ -75,11 +75,16 @@ def check_prompt_file(
     file = Path(path)
     shown = str(path)
     suffix = file.suffix.lower()
+    if file.is_dir():
+        raise UserError(f"{shown}: a directory; expected a .jsonl, .json or .parquet file")
     if suffix not in _JSONL_SUFFIXES + _PARQUET_SUFFIXES:
         raise UserError(f"{shown}: unsupported file type {suffix or '(none)'!r}; expected .jsonl, .json or .parquet")
     if not file.is_file():
         raise UserError(f"{shown}: prompt file not found")
-    raw = file.read_bytes()
+    try:
+        raw = file.read_bytes()
+    except OSError as e:
+        raise UserError(f"{shown}: cannot read it ({e.strerror or e})") from None
     if suffix in _PARQUET_SUFFIXES:
         records = _parquet_records(file, shown)
     else:

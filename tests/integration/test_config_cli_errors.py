@@ -71,8 +71,11 @@ def sluiceway_watched(*args, cwd) -> tuple[subprocess.CompletedProcess, set[int]
 
 @pytest.mark.parametrize(
     "mistake",
-    ["missing data file", "malformed JSONL line", "missing label key", "bad flag", "missing eval file"],
-)
+    [
+        "missing data file", "malformed JSONL line", "missing label key", "bad flag", "missing eval file",
+        "directory as data file", "reward file with a syntax error", "output dir is a file", "output dir under /proc",
+    ],
+)  # fmt: skip
 def test_cli_mistakes_are_reported_before_anything_starts(tmp_path, run_args, mistake):
     """Each mistake: exit 2, one line naming the file/line/flag, and no engine, router or Prefect server was
     ever started for it (no process carrying the run's tag but the command itself)."""
@@ -85,14 +88,31 @@ def test_cli_mistakes_are_reported_before_anything_starts(tmp_path, run_args, mi
         "bad flag": (["--prompt-data", str(data), "--rollout-batch-sise", "4"], ["--rollout-batch-sise"]),
         "missing eval file": (
             ["--prompt-data", str(data), "--eval-interval", "1", "--eval-prompt-data", "gone.jsonl"],
-            ["gone.jsonl", "not found"],
+            ["--eval-prompt-data gone.jsonl", "not found"],
+        ),
+        "directory as data file": (["--prompt-data", "adir.jsonl"], ["--prompt-data adir.jsonl", "a directory"]),
+        "reward file with a syntax error": (
+            ["--prompt-data", str(data), "--custom-rm-path", "broken_rm.py:score"],
+            ["--custom-rm-path", "broken_rm.py line 2"],
+        ),
+        "output dir is a file": (
+            ["--prompt-data", str(data), "--output-dir", "afile"], ["--output-dir afile", "not a directory"],
+        ),
+        "output dir under /proc": (
+            ["--prompt-data", str(data), "--output-dir", "/proc/sluiceway-run"], ["--output-dir /proc/sluiceway-run"],
         ),
     }[mistake]
+    (tmp_path / "adir.jsonl").mkdir()
+    (tmp_path / "broken_rm.py").write_text("def score(sample):\n    return (1 +\n")
+    (tmp_path / "afile").write_text("not a directory")
     (tmp_path / "bad.jsonl").write_text('{"input": "1+1?", "label": "2"}\n{"input": "2+2?", "label": \n')
     (tmp_path / "nolabel.jsonl").write_text('{"input": "1+1?", "label": "2"}\n{"input": "2+2?", "answer": "4"}\n')
+    if "--output-dir" in argv:  # the mistake's own, not the fixture's
+        run_args = run_args[2:]
     proc, started, elapsed = sluiceway_watched("run", *argv, *run_args, cwd=tmp_path)
     print(f"{mistake}: reported in {elapsed:.2f} s")  # the issue's target is under 3 s; not asserted
     assert proc.returncode == 2
     assert_one_line_error(proc, *needles)
     assert started == set(), f"processes started before the mistake was reported: {started}"
     assert not (tmp_path / "run" / "logs").exists()  # no engine or router ever wrote a log
+    assert not (tmp_path / "afile" / "logs").exists() and (tmp_path / "afile").is_file()
