@@ -66,7 +66,6 @@ def free_ports(n: int, with_offset: int = 0) -> list[int]:
 def processes_with_env(name: str, value: str) -> list[int]:
     """Live (not zombie) processes whose environment holds ``name=value``: the children of a run tagged so,
     found even after they were re-parented (Linux /proc; an empty list elsewhere)."""
-
     found = []
     needle = f"{name}={value}\0".encode()
     if not os.path.isdir("/proc"):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from deltalake import DeltaTable
 
@@ -87,11 +88,9 @@ def maintain_table(
     store: ObjectStore,
     name: str,
     retention_hours: float = DEFAULT_RETENTION_HOURS,
-    compact: bool = True,
     idempotency_hours: float = DEFAULT_IDEMPOTENCY_HOURS,
 ) -> Upkeep | None:
-    """Compact (unless told not to), clean and checkpoint one table (see the module docstring); None if the
-    table does not exist."""
+    """Compact, clean and checkpoint one table (see the module docstring); None if the table does not exist."""
     if not table_exists(store, name):
         return None
     t0 = time.perf_counter()
@@ -99,7 +98,10 @@ def maintain_table(
     with WRITE_LOCK, store.redacting():
         dt = open_table(store, name)
         set_retention(dt, retention_hours, idempotency_hours)
-        compacted = dt.optimize.compact() if compact else {}
+        # A trajectories table holding many steps per partition is compacted by `compact_steps` only: optimize
+        # would bin the steps still in flight with finished ones (a table with a partition per step is safe).
+        binned = name == TRAJECTORIES and "step" not in dt.metadata().partition_columns
+        compacted = {} if binned else dt.optimize.compact()
         # Full: every file no version inside the window reads, including those whose removal a checkpoint has
         # already forgotten (checkpoints drop expired removals; the log alone would leave those files behind).
         # Whole hours, rounded up, so a file is kept at least as long as the retention says.
@@ -142,7 +144,7 @@ def maintain_run(
     replaced = compact_steps(store, run_id, done_before, block_steps)
     done = []
     for name in RUN_TABLES:
-        upkeep = maintain_table(store, name, retention_hours, name != TRAJECTORIES, idempotency_hours)
+        upkeep = maintain_table(store, name, retention_hours, idempotency_hours)
         if upkeep is None:
             continue
         if name == TRAJECTORIES:
@@ -155,7 +157,5 @@ def maintain_run(
 def _log_entries(store: ObjectStore, name: str) -> int | None:
     if store.is_s3:
         return None  # a LIST of the whole log: the very cost upkeep avoids; not worth paying to report
-    from pathlib import Path
-
     log = Path(store.table_uri(name)) / "_delta_log"
     return sum(1 for _ in log.iterdir()) if log.is_dir() else 0

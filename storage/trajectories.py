@@ -26,6 +26,7 @@ from sluiceway.storage.tables import (
     append_idempotent,
     append_idempotent_many,
     conform,
+    open_table,
     read_table,
     replace_where,
     scan,
@@ -194,7 +195,7 @@ def update_samples(
 ) -> int:
     """Set `columns` on the samples `keys` = [(group_id, sample_index)] of one step.
 
-    The step's rows are updated in memory and the step's partition rewritten in one commit
+    The step's rows are updated in memory and written back in place of the old ones in one commit
     (tables.replace_where); rows whose values already match are left alone, and an update that changes
     nothing commits nothing. Returns the number of rows changed. Every key must exist (an update for an
     unknown sample is a bug upstream, not something to drop).
@@ -268,7 +269,7 @@ def compact_steps(store: ObjectStore, run_id: str, done_before: int, block_steps
         return 0
     replaced = 0
     with WRITE_LOCK, store.redacting():
-        dt = handles.handle(store, TRAJECTORIES).latest()
+        dt = open_table(store, TRAJECTORIES)
         if "step" in dt.metadata().partition_columns:
             return 0  # the older layout: a partition per step, which `optimize` compacts within
         actions = pa.table(dt.get_add_actions(flatten=True))
@@ -296,12 +297,6 @@ def compact_steps(store: ObjectStore, run_id: str, done_before: int, block_steps
             )
             replaced += n
     return replaced
-
-
-def read_trajectories_keys(store: ObjectStore, run_id: str, step: int) -> set[tuple[int, int]]:
-    """The (group_id, sample_index) keys stored for one step."""
-    table = read_trajectories(store, run_id, step)
-    return set(zip(table.column("group_id").to_pylist(), table.column("sample_index").to_pylist(), strict=True))
 
 
 def validate_trajectories(table: pa.Table) -> None:

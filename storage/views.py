@@ -50,7 +50,7 @@ class NewRows:
             root = h.store.table_uri(h.name).removeprefix("s3://")
             # Delta stores the path URL-encoded and relative to the table; the partition columns are not in it.
             tables = [pq.read_table(f"{root}/{unquote(p)}", columns=self.columns, filesystem=fs) for p in fresh]
-            self.seen.update(fresh)
+            self.seen = set(paths)  # the partition's files now: a compacted-away path never comes back
             self.version = dt.version()
         return tables
 
