@@ -240,6 +240,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a fault: one line here, the traceback in the run's log file (flows/faults.py)
+        from sluiceway.flows.faults import explain
+        from sluiceway.flows.run import record_failure
+
+        out = explain(e)
+        log_path = record_failure(out.message, e)
+        where = f" (traceback in {log_path})" if log_path else ""
+        print(f"error: {out.message}{where}", file=sys.stderr)
+        return out.exit_code
 
 
 def _dispatch(command: str, cfg: RunConfig) -> int:

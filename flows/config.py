@@ -271,7 +271,12 @@ class TrainingConfig(_Group):
     hf_checkpoint: str = Field(
         "tiny-llama", description="HF model directory, or a zoo name: 'smollm2-135m-instruct', 'tiny-llama'."
     )
-    save_interval: int | None = Field(None, ge=1, description="Save a checkpoint every N rollout steps.")
+    save_interval: int | None = Field(
+        10,
+        ge=1,
+        description="Checkpoint every N steps (rollout, SFT or replay steps), and always after the last step; "
+        "null: only after the last. A resume starts after the newest checkpoint (docs/reliability.md).",
+    )
     seed: int = Field(1234, description="Seed for sampling, data order and initialisation.")
 
 

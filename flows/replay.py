@@ -1,7 +1,7 @@
 """`sluiceway replay`: train again on a stored run's trajectories, with no engine running, as a Prefect flow.
 
     (preflight: pin the trajectories table version, check the run and its steps)
-    per stored step: train -> checkpoint every save_interval -> metrics (tag "replay");  at the end: publish
+    per stored step: train -> metrics (tag "replay") -> checkpoint every save_interval;  at the end: publish
 
 The table is read at one Delta version (`--replay-version`, or `--replay-timestamp` through time travel, else the
 latest when the replay starts), one step at a time, in the stored order or `--replay-steps`'. Advantages are
@@ -40,6 +40,7 @@ from sluiceway.flows.scaffold import (
     TRAINING_RUNS,
     build_run_trainer,
     check_device,
+    checkpoint_due,
     checkpoint_task,
     close_trainer,
     make_run_dir,
@@ -173,10 +174,10 @@ def replay_flow(config: ReplayRunConfig) -> dict:
         for i in range(start, len(steps)):
             t0 = time.perf_counter()
             m = replay_train_task(cfg.run_id, steps[i])
-            if interval and ((i + 1) % interval == 0 or i + 1 == len(steps)):
-                checkpoint_task(cfg.run_id, steps[i])
             m["time/step_s"] = time.perf_counter() - t0
             append_metrics(prep.store, cfg.run_id, steps[i], m, tag="replay")
+            if checkpoint_due(interval, i, len(steps)):  # after the metrics: flows/scaffold.py says why
+                checkpoint_task(cfg.run_id, steps[i])
             trained += 1
             if not cfg.logging.quiet:
                 print(format_step(steps[i], i, len(steps), m), flush=True)

@@ -1,6 +1,6 @@
 """The RL loop as a Prefect flow: each stage of each step is a durable Prefect task.
 
-    rollout -> reward -> filter -> train -> sync -> metrics (-> evaluate every eval_interval steps)
+    rollout -> reward -> filter -> train -> sync -> metrics (-> evaluate) (-> checkpoint every save_interval)
 
 Stage logic lives in `sluiceway.tasks.*` as plain functions; the tasks here only fetch the live runtime and
 return small summaries (counts, versions) that Prefect records. Stages are tasks rather than subflows
@@ -22,6 +22,7 @@ from sluiceway.flows.config import RunConfig
 from sluiceway.flows.logging_backends import MetricLoggers
 from sluiceway.flows.precision import resolve_precision
 from sluiceway.flows.retry import retry_transient
+from sluiceway.flows.scaffold import checkpoint_due
 from sluiceway.storage.maintenance import maintain_run
 from sluiceway.storage.metrics import append_metrics
 from sluiceway.storage.stages import finished_stage, record_stage
@@ -158,17 +159,16 @@ def upkeep_due(cfg: RunConfig, step: int) -> bool:
 
 @task(name="sync", cache_policy=NO_CACHE, persist_result=False)
 def sync_task(run_id: str, step: int) -> dict:
-    """Publish the new weights to every engine, and checkpoint when the save interval says so."""
+    """Publish the new weights to every engine (update_weights_interval may skip a step)."""
     rt = runtime.get(run_id)
     path = rt.sync_weights(step)  # None: update_weights_interval skipped this step
-    interval = rt.cfg.training.save_interval
-    saved = bool(interval and ((step + 1) % interval == 0 or step + 1 == rt.cfg.rollout.num_rollout))
-    checkpoint = rt.save_checkpoint(step) if saved else None
-    return {
-        "weight_version": rt.trainer.weight_version,
-        "weights": None if path is None else str(path),
-        "checkpoint": checkpoint,
-    }
+    return {"weight_version": rt.trainer.weight_version, "weights": None if path is None else str(path)}
+
+
+@task(name="checkpoint", cache_policy=NO_CACHE, persist_result=False)
+def checkpoint_task(run_id: str, step: int) -> dict:
+    """The step's last stage: everything it logged is stored, so a resume starts after it (flows/scaffold.py)."""
+    return {"checkpoint": runtime.get(run_id).save_checkpoint(step)}
 
 
 @task(name="evaluate", cache_policy=NO_CACHE, persist_result=False)
@@ -222,6 +222,7 @@ class _Stages:
         self.rollout = rollout_task.with_options(**retry)
         self.reward = reward_task.with_options(**retry)
         self.sync_ = sync_task.with_options(**retry)
+        self.checkpoint = checkpoint_task.with_options(**retry)
         self.filter = filter_task
         self.train = train_task  # a failed optimizer step is not retried: it may have half-applied
         mode = cfg.rollout.mode
@@ -316,6 +317,8 @@ def rl_flow(config: RunConfig) -> dict:
             if interval and ((step + 1) % interval == 0 or step + 1 == total):
                 stages.wait_in_flight()  # evaluation shares the engines; let generation settle first
                 loggers.log(step + 1, eval_task(cfg.run_id, step + 1))
+            if checkpoint_due(cfg.training.save_interval, step, total):
+                stages.checkpoint(cfg.run_id, step)
             if upkeep_due(cfg, step):
                 upkeep_task(cfg.run_id, step)
             arts.step_done(rt.store)  # metrics table and curves (curves.png), at most every minute

@@ -4,15 +4,58 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 from sluiceway.flows.config import RunConfig
 from sluiceway.infra.prefect_env import configure_prefect, wait_for_api_server
 
 
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
+class _NoPrefectFailures(logging.Filter):
+    """Keeps Prefect's error records (a failed task's traceback, 'Finished in state Failed') off the terminal:
+    the CLI prints the failure as one line (flows/faults.py) and the run's log file has them in full."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name.startswith("prefect") and record.levelno >= logging.ERROR)
+
+
 def configure_logging(cfg: RunConfig) -> None:
+    """The terminal shows warnings and sluiceway's --log-level; OUTPUT_DIR/logs/sluiceway.log gets that plus
+    every traceback. Called again once Prefect is imported: its logging set-up replaces the root's handlers."""
     # Libraries (httpx, megatron) log at INFO; only sluiceway's own logger follows --log-level.
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
     logging.getLogger("sluiceway").setLevel(cfg.logging.log_level)
+    root = logging.getLogger()
+    for h in root.handlers:
+        if not any(isinstance(f, _NoPrefectFailures) for f in h.filters) and not getattr(h, "run_log", False):
+            h.addFilter(_NoPrefectFailures())
+    path = Path(cfg.storage.output_dir).resolve() / "logs" / "sluiceway.log"
+    ours = [h for h in root.handlers if getattr(h, "run_log", None) == path]
+    if ours:
+        return
+    for old in [h for h in root.handlers if getattr(h, "run_log", False)]:
+        root.removeHandler(old)
+        old.close()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handler.run_log = path
+    root.addHandler(handler)
+
+
+def record_failure(message: str, exc: BaseException) -> Path | None:
+    """Write a failed command's traceback to the run's log file only (the terminal gets one line); its path."""
+    root = logging.getLogger()
+    files = [h for h in root.handlers if getattr(h, "run_log", False)]
+    if not files:
+        return None
+    record = logging.LogRecord("sluiceway", logging.ERROR, __file__, 0, "the command failed: %s", (message,),
+                               (type(exc), exc, exc.__traceback__))  # fmt: skip
+    for h in files:
+        h.handle(record)
+    return files[0].run_log
 
 
 def _configure(cfg: RunConfig, wait: bool = True) -> None:
@@ -49,6 +92,8 @@ def run(cfg: RunConfig) -> dict:
         from sluiceway.flows.rl import rl_flow  # imported after Prefect's settings are in the environment
         from sluiceway.flows.runtime import hand_over, prepare
 
+        configure_logging(cfg)  # again: importing Prefect replaced the root logger's handlers
+
         # Everything a user can get wrong (data files, scorer, model name, prompt lengths) is checked here,
         # before the flow starts, so a mistake is one line rather than a failed flow run; the flow reuses it.
         hand_over(cfg, prepare(cfg), engines=early)
@@ -73,6 +118,8 @@ def run_sft(cfg: RunConfig) -> dict:
     _configure(cfg)
     from sluiceway.flows.sft import hand_over, prepare_sft, sft_flow  # after Prefect's settings are set
 
+    configure_logging(cfg)  # again: importing Prefect replaced the root logger's handlers
+
     hand_over(cfg, prepare_sft(cfg))
     result = sft_flow(cfg.model_dump(mode="json"))
     if not cfg.logging.quiet:
@@ -88,6 +135,8 @@ def run_replay(cfg: RunConfig) -> dict:
     _configure(cfg)
     from sluiceway.flows.replay import hand_over, prepare_replay, replay_flow  # after Prefect's settings are set
 
+    configure_logging(cfg)  # again: importing Prefect replaced the root logger's handlers
+
     hand_over(cfg, prepare_replay(cfg))
     result = replay_flow(cfg.model_dump(mode="json"))
     if not cfg.logging.quiet:
@@ -102,6 +151,8 @@ def run_eval(cfg: RunConfig) -> dict:
     """`sluiceway eval`: resolve the model and the eval sets first (one-line errors), then the eval flow."""
     _configure(cfg)
     from sluiceway.flows.eval import eval_flow, hand_over, prepare_eval  # after Prefect's settings are set
+
+    configure_logging(cfg)  # again: importing Prefect replaced the root logger's handlers
 
     hand_over(cfg, prepare_eval(cfg))
     result = eval_flow(cfg.model_dump(mode="json"))

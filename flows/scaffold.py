@@ -92,6 +92,16 @@ def close_trainer(trainer: PolicyTrainer | RemoteTrainer) -> None:
 TRAINING_RUNS: Registry = Registry("training run")
 
 
+def checkpoint_due(save_interval: int | None, step: int, total: int) -> bool:
+    """After `step` (0-based) of `total`: every `save_interval` steps, and always after the last one.
+
+    The flows save a step's checkpoint after its metrics (and evaluation) are stored: a checkpoint is the
+    point a resume starts after, so everything the step logs must be durable before it (a kill in between
+    retrains the step, bit-identically, and the idempotent metric appends skip what was stored).
+    """
+    return step + 1 == total or bool(save_interval) and (step + 1) % save_interval == 0
+
+
 @task(name="checkpoint", cache_policy=NO_CACHE, persist_result=False)
 def checkpoint_task(run_id: str, step: int) -> str:
     run = TRAINING_RUNS.get(run_id)

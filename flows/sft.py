@@ -1,7 +1,7 @@
 """`sluiceway sft`: supervised fine-tuning from a dataset table, as a Prefect flow.
 
     (preflight: import the file into a dataset table, tokenize every sample)
-    per step: train -> checkpoint every save_interval -> metrics;  at the end: publish the weights
+    per step: train -> metrics -> checkpoint every save_interval and after the last;  at the end: publish the weights
 
 Steps walk the data set epoch by epoch, each epoch in its own seeded order, global_batch_size samples a step
 (the last one may be short): ceil(samples x num_epoch / global_batch_size) steps. The order depends only on the
@@ -29,6 +29,7 @@ from sluiceway.flows.scaffold import (
     TRAINING_RUNS,
     build_run_trainer,
     check_device,
+    checkpoint_due,
     checkpoint_task,
     close_trainer,
     make_run_dir,
@@ -170,10 +171,10 @@ def sft_flow(config: RunConfig) -> dict:
         for step in range(start, total):
             t0 = time.perf_counter()
             m = sft_train_task(cfg.run_id, step)
-            if interval and ((step + 1) % interval == 0 or step + 1 == total):
-                checkpoint_task(cfg.run_id, step)
             m["time/step_s"] = time.perf_counter() - t0
             append_metrics(prep.store, cfg.run_id, step, m, tag="sft")
+            if checkpoint_due(interval, step, total):  # after the metrics: flows/scaffold.py says why
+                checkpoint_task(cfg.run_id, step)
             trained += 1
             if not cfg.logging.quiet:
                 print(format_step(step, total, m), flush=True)

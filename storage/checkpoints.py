@@ -17,6 +17,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from sluiceway.infra.errors import Fault
 from sluiceway.storage.object_store import ObjectStore
 
 log = logging.getLogger("sluiceway")
@@ -84,6 +85,7 @@ def download_checkpoint(store: ObjectStore, run_id: str, local_dir: Path) -> int
         tmp.mkdir(parents=True)
         for remote in fs.ls(source, detail=False):
             fs.get_file(remote, str(tmp / remote.rstrip("/").rsplit("/", 1)[-1]))
+    verified(tmp)  # a damaged copy on the store must not replace a local checkpoint
     shutil.rmtree(local_dir, ignore_errors=True)
     tmp.rename(local_dir)
     return int(info["step"])
@@ -101,9 +103,12 @@ def save_checkpoint(trainer, local_dir: Path, step: int, store: ObjectStore | No
 def fetch_newer_checkpoint(store: ObjectStore, run_id: str, local_dir: Path) -> int | None:
     """A run resumed elsewhere (or after losing its disk) takes the store's checkpoint if it is newer than the
     one in `local_dir`; returns the fetched step, or None when the local one stays."""
+    settle_checkpoint_dir(local_dir)
     remote = latest_checkpoint_step(store, run_id)
-    meta = local_dir / "meta.json"
-    local = json.loads(meta.read_text())["step"] if meta.exists() else None
+    try:
+        local = json.loads((local_dir / "meta.json").read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):  # none, or damaged: the store's copy is checked instead
+        local = None
     if remote is not None and (local is None or remote > local):
         download_checkpoint(store, run_id, local_dir)
         log.info("fetched the step %d checkpoint from the object store", remote)
@@ -111,9 +116,38 @@ def fetch_newer_checkpoint(store: ObjectStore, run_id: str, local_dir: Path) -> 
     return None
 
 
+def settle_checkpoint_dir(local_dir: Path) -> None:
+    """Finish or undo a local save that a kill interrupted (tasks/train/checkpoint.py writes DIR.tmp, moves DIR to
+    DIR.old, DIR.tmp to DIR, then deletes DIR.old): afterwards only DIR is left, the newest complete one."""
+    tmp, old = local_dir.with_name(local_dir.name + ".tmp"), local_dir.with_name(local_dir.name + ".old")
+    if not local_dir.exists():
+        if (tmp / "meta.json").exists():  # meta.json is written last: the new checkpoint is complete
+            tmp.rename(local_dir)
+        elif old.exists():
+            old.rename(local_dir)
+    for leftover in (tmp, old):
+        if leftover.exists():
+            shutil.rmtree(leftover)
+
+
+def verified(local_dir: Path) -> Path:
+    """`local_dir` if its files are what the save wrote; a damaged checkpoint is a Fault, never trained from."""
+    from sluiceway.tasks.train.checkpoint import checkpoint_problem
+
+    problem = checkpoint_problem(local_dir)
+    if problem is not None:
+        raise Fault(
+            f"checkpoint {local_dir} is damaged: {problem}. Nothing was trained from it. To recover, restore the "
+            f"directory from a copy, or move it away to start again from step 0 (stored trajectories and "
+            f"rewards are reused, so the run retrains without generating again)"
+        )
+    return local_dir
+
+
 def load_checkpoint(trainer, local_dir: Path) -> int | None:
     """Load the checkpoint in `local_dir` into `trainer` (anything with `load(dir) -> step`), if there is one;
-    return its step, or None."""
+    return its step, or None. An interrupted save is settled first; a damaged checkpoint is a Fault."""
+    settle_checkpoint_dir(local_dir)
     if not local_dir.exists():
         return None
-    return trainer.load(local_dir)
+    return trainer.load(verified(local_dir))

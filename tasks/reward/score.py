@@ -2,7 +2,8 @@
 
 Only rows whose reward is still null are scored, so a re-run scores nothing twice. A scorer that raises
 or runs past its time limit gives that sample reward 0, with `reward_status` ("error" or "timeout") and a
-message in `reward_details`; the step goes on.
+message in `reward_details`; the step goes on. A step where every sample fails stops the run instead (an
+unusable reward source must not be trained on as zeros).
 
 Scorers (see scorer_registry.py) take one sample: (response, label, sample) -> float | (float, details) | dict.
 With --group-rm the user's function takes a whole group: (responses, labels, samples) -> list of the same.
@@ -19,6 +20,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sluiceway.infra.errors import Fault
 from sluiceway.storage.trajectories import is_finished, read_trajectories, set_rewards
 from sluiceway.tasks.reward.verifiers.shaping import length_penalty
 
@@ -122,6 +124,15 @@ def score_step(*, store, run_id: str, step: int, settings: RewardSettings) -> Re
     # Aborted rows are unfinished partials: they are scored in the step that completes them.
     pending = [r for r in rows if r["reward"] is None and is_finished(r)]
     results = score_rows(pending, settings)
+    failed = [details for _, details in results if "reward_status" in details]
+    if failed and len(failed) == len(pending):
+        # Every sample failed (a reward model answering 401, a scorer that always raises): storing zeros would
+        # train on them, and a resume would trust them. Nothing is stored; a resume scores the step again.
+        raise Fault(
+            f"reward: all {len(pending)} samples of step {step} failed to score ({failed[0]['reward_status']}: "
+            f"{failed[0]['message'].splitlines()[0][:300]}); no reward was stored. Fix the reward source, "
+            f"then `sluiceway resume` scores the step again"
+        )
     updates = [
         (r["group_id"], r["sample_index"], reward, json.dumps(details, default=str))
         for r, (reward, details) in zip(pending, results)

@@ -46,7 +46,8 @@ def write_weight_version(
     if final.exists():  # a retried sync of the same version: the directory is complete (it was renamed)
         return final
     tmp = root / f".tmp-v{version:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    for stale in root.glob(".tmp-v*"):  # a write a kill interrupted (one writer per run: the run lock)
+        shutil.rmtree(stale, ignore_errors=True)
     versions = sorted(root.glob("v*"))
     if keep >= 2 and len(versions) >= keep:
         versions[0].rename(tmp)  # leaves with this write anyway: its model file is overwritten in place below
