@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import re
 import sys
 import types
 import typing
@@ -235,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return _dispatch(args.command, cfg)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        # One line, even for a file name with a newline in it: control characters are shown escaped.
+        msg = re.sub(r"[\x00-\x1f\x7f]", lambda m: repr(m.group())[1:-1], str(e))
+        print(f"error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -13,14 +13,27 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from sluiceway.infra.errors import UserError
 
 
 class _Group(BaseModel):
-    # Unknown keys in YAML are mistakes (a typo silently ignored is a lost setting).
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Unknown keys in YAML are mistakes (a typo silently ignored is a lost setting). No setting means anything
+    # as inf or NaN (an infinite backoff or retention overflows later, an infinite lr trains NaNs).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _check_scalars(cls, value):
+        # Seeds, steps and sizes end up in torch and in int64 table columns: a larger number is a typo that
+        # would fail there, after the engines started, rather than here. No path or name holds a NUL byte.
+        for v in value if isinstance(value, list) else [value]:
+            if type(v) is int and not -(2**63) <= v < 2**63:
+                raise ValueError("must fit in a signed 64-bit integer")
+            if isinstance(v, str) and "\x00" in v:
+                raise ValueError("must not contain a NUL byte")
+        return value
 
 
 class ResourcesConfig(_Group):
@@ -465,6 +478,8 @@ class RunConfig(_Group):
 
     @model_validator(mode="after")
     def _check_invariants(self, info: ValidationInfo) -> RunConfig:
+        if (info.context or {}).get("fields_only"):
+            return self  # one source's own values (build_config): the invariants are checked on the merge
         r, t = self.rollout, self.training
         if self.algorithm.loss_type == "sft_loss":
             return self._check_sft_invariants()  # the rollout and reward settings play no part in SFT
@@ -611,9 +626,17 @@ def format_validation_error(err: ValidationError, source: str = "config") -> str
     for e in err.errors():
         loc = ".".join(str(x) for x in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
-        if len(e["loc"]) == 2:  # a group field: also name its command-line flag
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif e["type"] == "model_type":  # a group given as a scalar or a list
+            msg = f"expected a mapping of its fields, got {type(e['input']).__name__}"
+        elif e["type"].endswith("_type"):  # say what was given: a list or a mapping where a number goes, say
+            msg += f", got {type(e['input']).__name__}"
+        if len(e["loc"]) == 2 and e["type"] != "extra_forbidden":  # a group field: also name its flag
             loc += f" (--{str(e['loc'][1]).replace('_', '-')})"
         parts.append(f"{loc}: {msg}" if loc else msg)
+    if len(parts) > 3:  # a list of a million wrong items is still a short line
+        parts[3:] = [f"and {len(parts) - 3} more"]
     return f"{source}: " + "; ".join(parts)
 
 
@@ -622,11 +645,17 @@ def load_yaml(path: str | Path) -> dict:
     if not p.is_file():
         raise UserError(f"{p}: config file not found")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.safe_load(p.read_text())
+    except OSError as e:
+        raise UserError(f"{p}: cannot read it ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{p}: not a text file (byte {e.start} is not UTF-8)") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{p}:{mark.line + 1}" if mark else str(p)
         raise UserError(f"{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+    if data is None:  # an empty file: the defaults (a falsy [], 0 or false is a mistake, below)
+        data = {}
     if not isinstance(data, dict):
         raise UserError(f"{p}: expected a mapping of config groups at the top level")
     return data
@@ -654,7 +683,19 @@ def validate_for(config: RunConfig | dict, command: str) -> RunConfig:
 def build_config(
     base: dict, overrides: dict[tuple[str, str], object], source: str = "config", command: str = "run"
 ) -> RunConfig:
-    """Merge CLI overrides (group, field) -> value into a YAML dict and validate once, for `command`."""
+    """Merge CLI overrides (group, field) -> value into a YAML dict and validate, for `command`.
+
+    The YAML's values and the flags' are each validated on their own first, so an error names where the bad
+    value came from, and a wrong-typed YAML value is an error even when a flag overrides it (the file is
+    still wrong, for the next command that reads it without that flag)."""
+    flags: dict[str, dict] = {}
+    for (group, field), value in overrides.items():
+        flags.setdefault(group, {})[field] = value
+    for values, where in ((base, source), (flags, "flags")):
+        try:
+            RunConfig.model_validate(values, context={"fields_only": True})
+        except ValidationError as e:
+            raise UserError(format_validation_error(e, where)) from None
     merged = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
     for (group, field), value in overrides.items():
         merged.setdefault(group, {})

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from sluiceway.flows.config import RunConfig
+from sluiceway.flows.preflight import engine_max_total_len
 from sluiceway.infra.aio import BackgroundLoop
 from sluiceway.infra.pool import EnginePool
 from sluiceway.infra.router import HOST, SGLangRouter
@@ -42,7 +43,7 @@ class RolloutEngines:
         r = cfg.rollout
         log_dir = run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        max_total = cfg.rollout.rollout_max_prompt_len + cfg.rollout.rollout_max_response_len
+        max_total = engine_max_total_len(cfg)  # eval's responses may be longer than training's
         engine_args = (
             "--max-running-requests", str(r.engine_max_running_requests), "--max-total-len", str(max_total),
             "--dtype", "bfloat16" if cfg.training.bf16 else "float32", "--weight-version", str(weight_version),

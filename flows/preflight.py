@@ -8,6 +8,7 @@ plugin files) and import no torch, so a mistake is one line within about a secon
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -77,6 +78,70 @@ def check_plugin_file(path: str | None, flag: str) -> None:
             raise UserError(f"{flag} {path}: cannot read {file} ({e})") from None
 
 
+def engine_max_total_len(cfg: RunConfig) -> int:
+    """Tokens per sequence the engines are sized for (each embedded engine's KV cache holds this many per
+    request): the longest prompt plus the longest response, of training or of evaluation."""
+    r = cfg.rollout
+    return r.rollout_max_prompt_len + max(r.rollout_max_response_len, cfg.eval.eval_max_response_len or 0)
+
+
+def _model_config(name_or_dir: str) -> dict | None:
+    """The HF config.json of --hf-checkpoint (a zoo name is resolved, and built once, as the run would a moment
+    later); None where there is none to read: the loader reports that itself."""
+    p = Path(name_or_dir).expanduser()
+    if not (p.exists() or os.sep in name_or_dir or name_or_dir.startswith((".", "~"))):
+        from sluiceway.models.zoo import resolve_checkpoint  # imports torch: after every cheaper check
+
+        try:
+            p = resolve_checkpoint(name_or_dir)
+        except UserError as e:  # not a zoo name: said here, before Prefect's server starts
+            raise UserError(f"--hf-checkpoint {e}") from None
+    # A run's weights root (`sluiceway eval`): every version has the architecture of the first.
+    found = [p / "config.json"] if (p / "config.json").is_file() else sorted(p.glob("*/config.json"))[:1]
+    try:
+        config = json.loads(found[0].read_text()) if found else None
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def check_lengths(cfg: RunConfig, hf: dict) -> None:
+    """Prompt plus response lengths must fit the model's positions (`hf`: its config.json), and the embedded
+    engines' KV caches (sized by them, allocated whole when an engine starts) this machine's memory: else an
+    engine fails after everything started, or tries to allocate terabytes."""
+    model = cfg.training.hf_checkpoint
+    r, ev = cfg.rollout, cfg.eval.eval_max_response_len
+    total, limit = engine_max_total_len(cfg), hf.get("max_position_embeddings")
+    if isinstance(limit, int) and total > limit:
+        if r.rollout_max_prompt_len >= limit:
+            flag, value = "--rollout-max-prompt-len", r.rollout_max_prompt_len
+        elif ev is not None and ev > r.rollout_max_response_len:
+            flag, value = "--eval-max-response-len", ev
+        else:
+            flag, value = "--rollout-max-response-len", r.rollout_max_response_len
+        raise UserError(
+            f"{flag} {value}: prompt ({r.rollout_max_prompt_len}) + response ({total - r.rollout_max_prompt_len})"
+            f" = {total} tokens, more than the {limit} positions of {model} (max_position_embeddings)"
+        )
+    if r.rollout_engine != "embedded" or not r.rollout_num_engines:
+        return
+    try:  # the engine's KV cache: keys and values, per layer, request slot, KV head, position and head dim
+        heads = hf["num_attention_heads"]
+        per_token = 2 * hf["num_hidden_layers"] * hf.get("num_key_value_heads", heads)
+        per_token *= hf.get("head_dim") or hf["hidden_size"] // heads
+    except (KeyError, TypeError, ZeroDivisionError):
+        return
+    width = 4 if cfg.training.precision == "fp32" else 2  # auto may pick fp32 later: this is the least it takes
+    need = per_token * width * total * r.engine_max_running_requests * r.rollout_num_engines
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > memory:
+        raise UserError(
+            f"--engine-max-running-requests {r.engine_max_running_requests} x {total} tokens"
+            f" x {r.rollout_num_engines} engine(s): the embedded engines' KV caches for {model} would take"
+            f" {need / 2**30:.1f} GiB, more than this machine's {memory / 2**30:.1f} GiB of memory"
+        )
+
+
 def preflight(cfg: RunConfig, command: str) -> None:
     """Raise a UserError for the first mistake in what `cfg` names; `command` is run, sft, replay or eval."""
     d = cfg.data
@@ -92,3 +157,6 @@ def preflight(cfg: RunConfig, command: str) -> None:
     check_plugin_file(cfg.reward.custom_rm_path, "--custom-rm-path")
     check_plugin_file(cfg.rollout.custom_generate_function_path, "--custom-generate-function-path")
     check_plugin_file(cfg.rollout.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
+    hf = _model_config(cfg.training.hf_checkpoint)  # last: a zoo name imports torch
+    if hf is not None and command in ("run", "eval"):  # the commands that start engines
+        check_lengths(cfg, hf)

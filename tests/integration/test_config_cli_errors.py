@@ -74,6 +74,8 @@ def sluiceway_watched(*args, cwd) -> tuple[subprocess.CompletedProcess, set[int]
     [
         "missing data file", "malformed JSONL line", "missing label key", "bad flag", "missing eval file",
         "directory as data file", "reward file with a syntax error", "output dir is a file", "output dir under /proc",
+        "response longer than the model", "eval response longer than the model", "KV cache beyond memory",
+        "wrong-typed YAML value under a flag", "list for a number in YAML", "unknown YAML group",
     ],
 )  # fmt: skip
 def test_cli_mistakes_are_reported_before_anything_starts(tmp_path, run_args, mistake):
@@ -101,11 +103,37 @@ def test_cli_mistakes_are_reported_before_anything_starts(tmp_path, run_args, mi
         "output dir under /proc": (
             ["--prompt-data", str(data), "--output-dir", "/proc/sluiceway-run"], ["--output-dir /proc/sluiceway-run"],
         ),
+        # tiny-llama has 512 positions; the embedded engine once tried to allocate a 1.6 TB KV cache for this.
+        "response longer than the model": (
+            ["--prompt-data", str(data), "--rollout-max-response-len", "100000000"],
+            ["--rollout-max-response-len 100000000", "512 positions of tiny-llama"],
+        ),
+        "eval response longer than the model": (
+            ["--prompt-data", str(data), "--eval-interval", "1", "--eval-prompt-data", str(data),
+             "--eval-max-response-len", "300"],
+            ["--eval-max-response-len 300", "556 tokens", "512 positions"],
+        ),
+        "KV cache beyond memory": (
+            ["--prompt-data", str(data), "--engine-max-running-requests", "1000000000"],
+            ["--engine-max-running-requests 1000000000", "KV caches", "GiB of memory"],
+        ),
+        # The flag's valid value does not hide the file's wrong one (the file is read again without the flag).
+        "wrong-typed YAML value under a flag": (
+            ["typed.yaml", "--prompt-data", str(data)],
+            ["typed.yaml: rollout.rollout_batch_size (--rollout-batch-size)", "valid integer"],
+        ),
+        "list for a number in YAML": (
+            ["listed.yaml", "--prompt-data", str(data)], ["listed.yaml: training.micro_batch_size", "got list"],
+        ),
+        "unknown YAML group": (["grouped.yaml", "--prompt-data", str(data)], ["grouped.yaml: trainig: unknown key"]),
     }[mistake]
     (tmp_path / "adir.jsonl").mkdir()
     (tmp_path / "broken_rm.py").write_text("def score(sample):\n    return (1 +\n")
     (tmp_path / "afile").write_text("not a directory")
     (tmp_path / "bad.jsonl").write_text('{"input": "1+1?", "label": "2"}\n{"input": "2+2?", "label": \n')
+    (tmp_path / "typed.yaml").write_text("rollout:\n  rollout_batch_size: abc\n")
+    (tmp_path / "listed.yaml").write_text("training:\n  micro_batch_size: [4]\n")
+    (tmp_path / "grouped.yaml").write_text("trainig:\n  lr: 1.0e-5\n")
     (tmp_path / "nolabel.jsonl").write_text('{"input": "1+1?", "label": "2"}\n{"input": "2+2?", "answer": "4"}\n')
     if "--output-dir" in argv:  # the mistake's own, not the fixture's
         run_args = run_args[2:]
