@@ -30,11 +30,16 @@ import torch
 
 from sluiceway.infra.engine.kv_cache import SlotKVCache
 from sluiceway.infra.engine.llama import LlamaRunner
-from sluiceway.infra.engine.sampling import TOP_K_ALL, sample
+from sluiceway.infra.engine.sampling import sample
 
 
 class EngineError(ValueError):
     """A request or control the engine refuses (the server maps it to HTTP 400)."""
+
+
+INT32_MAX = 2**31 - 1  # SGLang's bound for top_k and max_new_tokens (int32); larger top_k overflowed a tensor
+SEED_MAX = 2**63 - 1  # torch generators take a 64-bit seed; SGLang's sampling_seed is a non-negative int64
+GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS: a smaller temperature is greedy (logits / T would overflow)
 
 
 @dataclass
@@ -54,14 +59,18 @@ class SamplingParams:
     sampling_seed: int | None = None
 
     def validate(self, vocab_size: int) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise EngineError(f"sampling_params.max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        """Raise EngineError naming the first field out of its range (the types are the server's to check)."""
+        # Not bounded by max_total_len: a request that asks for more ends there, with finish_reason length.
+        if not isinstance(self.max_new_tokens, int) or not 1 <= self.max_new_tokens <= INT32_MAX:
+            raise EngineError(
+                f"sampling_params.max_new_tokens must be an integer in [1, 2**31-1], got {self.max_new_tokens!r}"
+            )
         if not (self.temperature >= 0.0 and self.temperature != float("inf")):
             raise EngineError(f"sampling_params.temperature must be a finite number >= 0, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise EngineError(f"sampling_params.top_p must be in (0, 1], got {self.top_p!r}")
-        if not (self.top_k == -1 or self.top_k >= 1):
-            raise EngineError(f"sampling_params.top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
+        if not (self.top_k == -1 or 1 <= self.top_k <= INT32_MAX):
+            raise EngineError(f"sampling_params.top_k must be -1 (disabled) or in [1, 2**31-1], got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise EngineError(f"sampling_params.min_p must be in [0, 1], got {self.min_p!r}")
         for t in self.stop_token_ids:
@@ -69,6 +78,8 @@ class SamplingParams:
                 raise EngineError(f"sampling_params.stop_token_ids: {t!r} is not a token id in [0, {vocab_size})")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise EngineError("sampling_params.stop must be a non-empty string or a list of non-empty strings")
+        if self.sampling_seed is not None and not 0 <= self.sampling_seed <= SEED_MAX:
+            raise EngineError(f"sampling_params.sampling_seed must be in [0, 2**63-1], got {self.sampling_seed!r}")
 
 
 @dataclass
@@ -416,10 +427,11 @@ class Engine:
                 if batch:
                     self._decode()
             except Exception as e:  # noqa: BLE001 (a model error must not kill the scheduler silently)
+                # A failed forward pass belongs to the whole batch; one request's errors are caught per row.
                 with self._cv:
                     for s in self._running + admit:
                         if s.finish is None:
-                            s.finish = {"type": "abort", "message": f"engine error: {type(e).__name__}: {e}"}
+                            s.finish = _engine_error(e)
                     for s in admit:
                         if s not in self._running:
                             self._running.append(s)
@@ -482,13 +494,39 @@ class Engine:
         self.stats["decode_steps"] += 1
         self._sample_and_append(rows, logits)
 
+    def _row_sampling(self, sp: SamplingParams) -> tuple[float, int, float, float]:
+        """One row's (temperature, top_k, top_p, min_p) as numbers the batch's tensors can hold."""
+        t, k = float(sp.temperature), int(sp.top_k)
+        if t < GREEDY_BELOW:
+            t = 0.0
+        if not 0 < k < self.vocab_size:  # -1 (whole vocabulary) or more tokens than it has
+            k = self.vocab_size
+        return t, k, float(sp.top_p), float(sp.min_p)
+
     def _sample_and_append(self, rows: list[_Seq], logits: torch.Tensor) -> None:
-        sps = [s.req.sampling for s in rows]
-        temperature = torch.tensor([sp.temperature for sp in sps], dtype=torch.float32)
-        top_k = torch.tensor([TOP_K_ALL if sp.top_k == -1 else sp.top_k for sp in sps], dtype=torch.long)
-        top_p = torch.tensor([sp.top_p for sp in sps], dtype=torch.float32)
-        min_p = torch.tensor([sp.min_p for sp in sps], dtype=torch.float32)
-        toks, lps = sample(logits, temperature, top_k, top_p, min_p, [s.generator for s in rows])
+        # Settings are converted row by row: a request whose settings cannot be used (submit validates them, but
+        # an in-process caller can change them later) fails alone instead of failing the step for the batch.
+        keep, params = [], []
+        for i, s in enumerate(rows):
+            try:
+                params.append(self._row_sampling(s.req.sampling))
+                keep.append(i)
+            except Exception as e:  # noqa: BLE001 (reported to that request)
+                with self._cv:
+                    s.finish = _engine_error(e)
+        if len(keep) < len(rows):
+            rows, logits = [rows[i] for i in keep], logits[keep]
+        if not rows:
+            return
+        temperature, top_k, top_p, min_p = zip(*params)
+        toks, lps = sample(
+            logits,
+            torch.tensor(temperature, dtype=torch.float32),
+            torch.tensor(top_k, dtype=torch.long),
+            torch.tensor(top_p, dtype=torch.float32),
+            torch.tensor(min_p, dtype=torch.float32),
+            [s.generator for s in rows],
+        )
         with self._cv:
             for s, t, lp in zip(rows, toks.tolist(), lps.tolist(), strict=True):
                 if s.finish is not None:  # aborted while the step ran: drop the token
@@ -496,7 +534,10 @@ class Engine:
                 s.out_ids.append(t)
                 s.out_lps.append(lp)
                 self.stats["generated_tokens"] += 1
-                s.finish = self._finish_reason(s, t)
+                try:
+                    s.finish = self._finish_reason(s, t)
+                except Exception as e:  # noqa: BLE001 (e.g. its stop strings: this request's alone)
+                    s.finish = _engine_error(e)
                 if s.finish is None and s.streamed < len(s.out_ids):
                     s.handle._emit(StreamChunk(s.req.rid, s.out_ids[s.streamed :], s.out_lps[s.streamed :]))
                     s.streamed = len(s.out_ids)
@@ -568,6 +609,10 @@ class Engine:
             if cut >= 0:
                 text = text[:cut]
         return text
+
+
+def _engine_error(e: Exception) -> dict[str, Any]:
+    return {"type": "abort", "message": f"engine error: {type(e).__name__}: {e}"}
 
 
 def dtype_from_name(name: str) -> torch.dtype:

@@ -35,6 +35,7 @@ def truncation_mask(logprobs: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tenso
         ranks = torch.arange(vocab)[None, :]
         drop_sorted = ranks >= top_k[:, None]
         drop_sorted |= (sorted_p.cumsum(-1) - sorted_p) >= top_p[:, None]
+        drop_sorted[:, 0] = False  # even when top_p underflows to 0 in fp32
         drop.scatter_(-1, order, drop_sorted)
     if need_min_p:
         p = logprobs.exp()

@@ -9,12 +9,15 @@ SGLang streams by default), `/health`, `/health_generate`, `/model_info`, `/serv
 
 Differences, on purpose: `/pause_generation` defaults to mode "in_place" (requests keep their KV cache and
 resume on `/continue_generation`; "abort" aborts them first); sampling fields SGLang knows but this engine does
-not implement are accepted only at their defaults; any input the engine cannot honour is a 400 with one message.
+not implement are accepted only at their defaults; any input the engine cannot honour is a 400 with one message,
+numbers outside SGLang's ranges and bodies that are not UTF-8 JSON objects of valid text included (a
+Content-Type other than JSON is a 415).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import time
@@ -100,14 +103,61 @@ _GENERATE_DEFAULT_ONLY: dict[str, Any] = {
 }
 
 
+# No field needs more nesting than a batched chat request; anything deeper is rejected before later code
+# recurses into it (json.loads itself stops at Python's recursion limit, with RecursionError).
+_MAX_JSON_DEPTH = 32
+
+
 class BadRequest(ValueError):
-    pass
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
 
 
 def _error(message: str, status: int = 400) -> JSONResponse:
     # SGLang's ErrorResponse shape.
     body = {"object": "error", "message": message, "type": "BadRequest", "param": None, "code": status}
     return JSONResponse(body, status_code=status)
+
+
+def parse_json_body(raw: bytes, content_type: str | None, required: bool = True) -> dict[str, Any]:
+    """A request body as a JSON object, or BadRequest saying what is wrong with it.
+
+    Beyond json.loads: the body must be UTF-8 (json.loads would also take UTF-16, and UTF-8-encoded
+    surrogates), strings must be valid Unicode (no lone surrogate: the tokenizer and the UTF-8 response
+    encoder both fail on one), and nesting is bounded. A Content-Type, if given, must be JSON (as SGLang's
+    FastAPI handlers, which refuse form posts).
+    """
+    if not raw.strip():
+        if required:
+            raise BadRequest("empty request body: expected a JSON object")
+        return {}
+    mime = (content_type or "").split(";")[0].strip().lower()
+    if mime and mime != "application/json" and not mime.endswith("+json"):
+        raise BadRequest(f"content-type {mime!r}: send a JSON object as application/json", status=415)
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"the request body is not valid UTF-8: {e}") from None
+    except RecursionError:
+        raise BadRequest(f"malformed JSON: nested deeper than {_MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:  # JSONDecodeError, or an integer literal of over 4300 digits
+        raise BadRequest(f"malformed JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    stack: list[tuple[Any, int]] = [(body, 1)]  # iterative: the walk itself must not recurse
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise BadRequest(f"string {ascii(v[:40])} holds a lone UTF-16 surrogate: not valid text") from None
+        elif isinstance(v, (dict, list)):
+            if depth > _MAX_JSON_DEPTH:
+                raise BadRequest(f"malformed JSON: nested deeper than {_MAX_JSON_DEPTH} levels")
+            stack.extend((x, depth + 1) for x in (itertools.chain(v, v.values()) if isinstance(v, dict) else v))
+    return body
 
 
 def _is_number(v: Any) -> bool:
@@ -144,7 +194,10 @@ def parse_sampling_params(d: Any, where: str = "sampling_params") -> SamplingPar
         raise BadRequest(f"{where}.stop_token_ids must be a list of integers")
     for k in ("temperature", "top_p", "min_p"):
         if k in kwargs:
-            kwargs[k] = float(kwargs[k])
+            try:
+                kwargs[k] = float(kwargs[k])
+            except OverflowError:  # an integer beyond any float; ranges are checked by SamplingParams.validate
+                raise BadRequest(f"{where}.{k} must be a finite number, got an integer too large for one") from None
     return SamplingParams(**kwargs)
 
 
@@ -435,26 +488,21 @@ class EngineServer:
         app = FastAPI(title="sluiceway embedded engine", openapi_url=None)
 
         async def json_body(request: Request, required: bool = True) -> dict[str, Any]:
-            raw = await request.body()
-            if not raw.strip():
-                if required:
-                    raise BadRequest("empty request body: expected a JSON object")
-                return {}
-            try:
-                body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise BadRequest(f"malformed JSON: {e}") from None
-            if not isinstance(body, dict):
-                raise BadRequest("the request body must be a JSON object")
-            return body
+            return parse_json_body(await request.body(), request.headers.get("content-type"), required)
 
         @app.exception_handler(BadRequest)
         async def _bad(_request: Request, exc: BadRequest):
-            return _error(str(exc))
+            return _error(str(exc), exc.status)
 
         @app.exception_handler(EngineError)
         async def _engine_err(_request: Request, exc: EngineError):
             return _error(str(exc))
+
+        @app.exception_handler(Exception)
+        async def _internal(_request: Request, exc: Exception):
+            # A bug, not the caller's input: SGLang's error shape rather than a plain-text 500 (Starlette still
+            # logs the traceback).
+            return _error(f"internal error: {type(exc).__name__}: {exc}", 500)
 
         @app.get("/health")
         async def health():
