@@ -26,6 +26,7 @@ import re
 import sys
 import types
 import typing
+from pathlib import Path
 from typing import Literal, get_args, get_origin
 
 import yaml
@@ -247,11 +248,15 @@ def main(argv: list[str] | None = None) -> int:
         from sluiceway.flows.faults import explain
         from sluiceway.flows.run import record_failure
 
-        out = explain(e)
+        out = explain(e, _RUN_DIR[0] if _RUN_DIR else None)
         log_path = record_failure(out.message, e)
         where = f" (traceback in {log_path})" if log_path else ""
         print(f"error: {out.message}{where}", file=sys.stderr)
         return out.exit_code
+
+
+_RUN_DIR: list[Path] = []
+_CONSOLE: list[bool] = []  # set by `entry`: this process is the sluiceway command, not a test calling main()
 
 
 def _dispatch(command: str, cfg: RunConfig) -> int:
@@ -259,28 +264,44 @@ def _dispatch(command: str, cfg: RunConfig) -> int:
     from sluiceway.flows.precision import resolve_precision
     from sluiceway.flows.preflight import preflight
     from sluiceway.flows.resume import RESUMABLE, save_run_record
-    from sluiceway.flows.run import configure_logging
+    from sluiceway.flows.run import configure_logging, send_native_stderr_to_log
+    from sluiceway.storage import run_lock
+    from sluiceway.storage.integrity import check_tables
+    from sluiceway.storage.maintenance import RUN_TABLES
 
     preflight(cfg, command)  # file mistakes are one line here, before logging, engines or Prefect start
+    if _CONSOLE:
+        send_native_stderr_to_log(cfg)
     configure_logging(cfg)
     # Resolved before the run record is written (a resumed run keeps the precision it started with) and before
     # the engines start; the flow logs the choice once everything is checked.
     cfg = resolve_precision(cfg, announce=False)
-    if command in RESUMABLE:
-        save_run_record(cfg, command)
-    if command == "sft":
-        from sluiceway.flows.run import run_sft
+    _RUN_DIR[:] = [Path(cfg.storage.output_dir).resolve()]  # where a fault's message looks for a full disk
+    # One live process per run directory and run tables (storage/run_lock.py), taken before the run record is
+    # written or anything starts: a second run is refused with one line naming the first.
+    with run_lock.hold(Path(cfg.storage.output_dir).resolve(), run_store(cfg), cfg.run_id, command):
+        check_tables(run_store(cfg), RUN_TABLES)  # a damaged table is one line, not a run on unreadable data
+        if command in RESUMABLE:
+            save_run_record(cfg, command)
+        if command == "sft":
+            from sluiceway.flows.run import run_sft
 
-        run_sft(cfg)
-    elif command in ("replay", "eval"):
-        from sluiceway.flows.run import run_eval, run_replay
+            run_sft(cfg)
+        elif command in ("replay", "eval"):
+            from sluiceway.flows.run import run_eval, run_replay
 
-        (run_replay if command == "replay" else run_eval)(cfg)
-    else:
-        from sluiceway.flows.run import run
+            (run_replay if command == "replay" else run_eval)(cfg)
+        else:
+            from sluiceway.flows.run import run
 
-        run(cfg)
+            run(cfg)
     return 0
+
+
+def run_store(cfg: RunConfig):
+    from sluiceway.storage.object_store import ObjectStore
+
+    return ObjectStore.from_uri(cfg.tables_uri, cfg.storage.s3_endpoint_url, cfg.storage.s3_region)
 
 
 def entry() -> None:
@@ -291,7 +312,12 @@ def entry() -> None:
     the process's memory goes back to the system when it ends anyway. Reference counting, finalizers and atexit
     handlers (the embedded Prefect server's stop, logging's flush) work as at any exit.
     """
+    _CONSOLE.append(True)
     code = main()
+    if code == 1 and _RUN_DIR:  # a fault was printed as one line: what the teardown says goes to the run's log
+        from sluiceway.flows.run import quiet_teardown
+
+        quiet_teardown(_RUN_DIR[0])
     gc.disable()
     gc.freeze()
     sys.exit(code)

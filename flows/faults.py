@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import errno
 import re
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from sluiceway.infra.errors import Fault, UserError
 
@@ -42,8 +44,14 @@ _MISSING_OBJECT = re.compile(r"Object at location (\S+) not found")
 _DELTA_LOG = re.compile(r"Kernel error|Json error|Invalid JSON|Failed to parse|log segment|_delta_log", re.I)
 
 
-def explain(exc: BaseException, resume_hint: str = "sluiceway resume OUTPUT_DIR") -> Explained:
-    """One line for `exc` and its exit code; `resume_hint` is the command that continues this run."""
+# Below this much free space a failure is reported as a full disk, whatever it surfaced as (the embedded
+# Prefect server's database lives in the run directory: a full disk often shows first as its HTTP 500).
+LOW_SPACE_BYTES = 16 << 20
+
+
+def explain(exc: BaseException, run_dir: Path | None = None) -> Explained:
+    """One line for `exc` and its exit code; `run_dir` is the run's output directory, if a run was started."""
+    resume = f"sluiceway resume {run_dir}" if run_dir else "sluiceway resume OUTPUT_DIR"
     chain = list(_chain(exc))
     for e in chain:
         if isinstance(e, UserError):
@@ -51,15 +59,18 @@ def explain(exc: BaseException, resume_hint: str = "sluiceway resume OUTPUT_DIR"
     for e in chain:
         if isinstance(e, Fault):
             return Explained(str(e), 1)
-    for e in chain:
-        text = str(e)
-        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or _NO_SPACE.search(text):
-            where = getattr(e, "filename", None) or ""
-            return Explained(
-                f"disk full{' writing ' + str(where) if where else ''} ({first_line(e)}). Every commit before it is "
-                f"intact; free space, then `{resume_hint}` continues from the last checkpoint",
-                1,
-            )
+    full = next(
+        (e for e in chain if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or _NO_SPACE.search(str(e))), None
+    )
+    if full is None and run_dir is not None and _free_bytes(run_dir) < LOW_SPACE_BYTES:
+        full = exc
+    if full is not None:
+        where = getattr(full, "filename", None) or run_dir or ""
+        return Explained(
+            f"disk full{' at ' + str(where) if where else ''} ({first_line(full)}). Every commit before it is "
+            f"intact; free space, then `{resume}` continues from the last checkpoint",
+            1,
+        )
     for e in chain:
         text = str(e)
         if m := _MISSING_OBJECT.search(text):
@@ -72,7 +83,7 @@ def explain(exc: BaseException, resume_hint: str = "sluiceway resume OUTPUT_DIR"
         if _STORE_DOWN.search(text):
             return Explained(
                 f"the object store did not answer after the retries ({first_line(e)}). Nothing committed is lost; "
-                f"once the store is back, `{resume_hint}` continues",
+                f"once the store is back, `{resume}` continues",
                 1,
             )
     for e in chain:
@@ -84,3 +95,10 @@ def explain(exc: BaseException, resume_hint: str = "sluiceway resume OUTPUT_DIR"
                 1,
             )
     return Explained(f"{type(exc).__name__}: {first_line(exc)}", 1)
+
+
+def _free_bytes(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return LOW_SPACE_BYTES  # unknown: do not claim a full disk

@@ -17,16 +17,49 @@ from sluiceway.infra.errors import UserError
 
 RECORD = "sluiceway-run.yaml"
 RESUMABLE = ("run", "sft", "replay")
+# Fields a second `run` may change and still continue the run in the directory: more steps (a run extended
+# after it finished). Logging and evaluation settings may change too (they do not change what is trained);
+# anything else would mix two runs' data and weights.
+CONTINUABLE = {"rollout.num_rollout", "training.num_epoch"}
 
 
 def save_run_record(cfg: RunConfig, command: str) -> Path:
+    """Write the record; a directory that holds another run (another command or config) is refused, so a new
+    run never silently continues an old one or overwrites what `resume` would replay."""
     run_dir = Path(cfg.storage.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / RECORD
+    config = cfg.model_dump(mode="json")
+    if path.is_file() and command == "run":  # sft and replay pin their own inputs (data, table version)
+        try:
+            old = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError:
+            old = {}
+        changed = _differences(old.get("config") or {}, config) if isinstance(old, dict) else ["record"]
+        if isinstance(old, dict) and old.get("command") != command:
+            changed.insert(0, "command")
+        changed = [c for c in changed if c not in CONTINUABLE and not c.startswith(("logging.", "eval."))]
+        if changed:
+            raise UserError(
+                f"--output-dir {run_dir}: holds another run ({', '.join(changed[:3])} differ); "
+                f"`sluiceway resume {run_dir}` continues it, or choose another --output-dir"
+            )
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump({"command": command, "config": cfg.model_dump(mode="json")}, sort_keys=False))
+    tmp.write_text(yaml.safe_dump({"command": command, "config": config}, sort_keys=False))
     tmp.replace(path)
     return path
+
+
+def _differences(old: dict, new: dict) -> list[str]:
+    """`group.field` names whose values differ between two config dicts."""
+    out = []
+    for group in sorted(set(old) | set(new)):
+        a, b = old.get(group), new.get(group)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [f"{group}.{f}" for f in sorted(set(a) | set(b)) if a.get(f) != b.get(f)]
+        elif a != b:
+            out.append(group)
+    return out
 
 
 def find_run_record(ref: str, runs_root: str = "runs") -> Path:

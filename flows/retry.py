@@ -3,11 +3,18 @@ a Delta commit race), never a user's mistake or a bug, which would fail the same
 
 from __future__ import annotations
 
+import logging
 import re
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import httpx
 
 from sluiceway.infra.errors import UserError
+
+log = logging.getLogger("sluiceway")
+T = TypeVar("T")
 
 # Failures of the environment rather than of the inputs.
 _TRANSIENT: tuple[type[BaseException], ...] = (httpx.TransportError, ConnectionError, TimeoutError)
@@ -50,3 +57,19 @@ def retry_transient(task, task_run, state) -> bool:
     """Prefect's `retry_condition_fn`: retry when the failure is transient."""
     exc = state.data if isinstance(state.data, BaseException) else state.result(raise_on_failure=False)
     return isinstance(exc, BaseException) and is_transient(exc)
+
+
+def call_retrying(fn: Callable[..., T], *args, retries: int, backoff_s: float, what: str) -> T:
+    """`fn(*args)` with the stages' retry policy, for the writes a flow makes outside a task (a step's metrics):
+    a transient failure is retried after backoff_s, 2 x backoff_s, ...; anything else raises at once."""
+    for attempt in range(retries + 1):
+        try:
+            return fn(*args)
+        except Exception as e:
+            if attempt == retries or not is_transient(e):
+                raise
+            delay = backoff_s * 2**attempt
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            log.warning("%s failed (%s); retry %d of %d in %.0f s", what, first, attempt + 1, retries, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")

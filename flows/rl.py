@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from pathlib import Path
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
@@ -21,9 +22,11 @@ from sluiceway.flows.artifacts import RunArtifacts
 from sluiceway.flows.config import RunConfig
 from sluiceway.flows.logging_backends import MetricLoggers
 from sluiceway.flows.precision import resolve_precision
-from sluiceway.flows.retry import retry_transient
-from sluiceway.flows.scaffold import checkpoint_due
-from sluiceway.storage.maintenance import maintain_run
+from sluiceway.flows.retry import call_retrying, retry_transient
+from sluiceway.flows.scaffold import checkpoint_due, open_store
+from sluiceway.storage import run_lock
+from sluiceway.storage.integrity import check_tables
+from sluiceway.storage.maintenance import RUN_TABLES, maintain_run
 from sluiceway.storage.metrics import append_metrics
 from sluiceway.storage.stages import finished_stage, record_stage
 from sluiceway.storage.trajectories import read_trajectories
@@ -148,8 +151,15 @@ def upkeep_task(run_id: str, step: int) -> dict:
     rt = runtime.get(run_id)
     st = rt.cfg.storage
     done = maintain_run(rt.store, run_id, step + 1, st.retention_hours, idempotency_hours=st.idempotency_hours)
-    return {u.table: {"version": u.version, "compacted": u.files_compacted, "vacuumed": u.files_vacuumed,
-                      "seconds": round(u.seconds, 3)} for u in done}
+    return {
+        u.table: {
+            "version": u.version,
+            "compacted": u.files_compacted,
+            "vacuumed": u.files_vacuumed,
+            "seconds": round(u.seconds, 3),
+        }
+        for u in done
+    }
 
 
 def upkeep_due(cfg: RunConfig, step: int) -> bool:
@@ -223,6 +233,7 @@ class _Stages:
         self.reward = reward_task.with_options(**retry)
         self.sync_ = sync_task.with_options(**retry)
         self.checkpoint = checkpoint_task.with_options(**retry)
+        self.upkeep = upkeep_task.with_options(**retry)
         self.filter = filter_task
         self.train = train_task  # a failed optimizer step is not retried: it may have half-applied
         mode = cfg.rollout.mode
@@ -269,6 +280,13 @@ def rl_flow(config: RunConfig) -> dict:
     Typed as the pydantic model so a deployment's parameter form in the Prefect UI is the run config.
     """
     cfg = resolve_precision(RunConfig.model_validate(config))  # auto -> bf16/fp32 (a UI run starts here)
+    # The CLI took the run's lock already (re-entrant); a deployment's run takes it here (storage/run_lock.py).
+    with run_lock.hold(Path(cfg.storage.output_dir).resolve(), open_store(cfg), cfg.run_id, "run"):
+        check_tables(open_store(cfg), RUN_TABLES)  # storage/integrity.py
+        return _run_steps(cfg)
+
+
+def _run_steps(cfg: RunConfig) -> dict:
     rt = runtime.Runtime.create(cfg, runtime.take_prepared(cfg.run_id))
     runtime.register(rt)
     history = []
@@ -307,7 +325,9 @@ def rl_flow(config: RunConfig) -> dict:
                     **rew.get("levels", {}),
                 }
             )
-            append_metrics(rt.store, cfg.run_id, step, m, tag="train")
+            d = cfg.durability
+            call_retrying(append_metrics, rt.store, cfg.run_id, step, m, "train", retries=d.stage_retries,
+                          backoff_s=d.retry_backoff_s, what=f"storing step {step + 1}'s metrics")  # fmt: skip
             history.append(m)
             loggers.log(step, m)
             arts.progress(step + 1)
@@ -320,7 +340,7 @@ def rl_flow(config: RunConfig) -> dict:
             if checkpoint_due(cfg.training.save_interval, step, total):
                 stages.checkpoint(cfg.run_id, step)
             if upkeep_due(cfg, step):
-                upkeep_task(cfg.run_id, step)
+                stages.upkeep(cfg.run_id, step)
             arts.step_done(rt.store)  # metrics table and curves (curves.png), at most every minute
     finally:
         arts.finish(rt.store)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 from sluiceway.flows.config import RunConfig
 from sluiceway.infra.prefect_env import configure_prefect, wait_for_api_server
-
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
@@ -22,8 +22,9 @@ class _NoPrefectFailures(logging.Filter):
 
 
 def configure_logging(cfg: RunConfig) -> None:
-    """The terminal shows warnings and sluiceway's --log-level; OUTPUT_DIR/logs/sluiceway.log gets that plus
+    """The terminal shows warnings and sluiceway's --log-level; OUTPUT_DIR/sluiceway.log gets that plus
     every traceback. Called again once Prefect is imported: its logging set-up replaces the root's handlers."""
+    logging.raiseExceptions = False  # a handler that cannot write (a full disk) must not print tracebacks
     # Libraries (httpx, megatron) log at INFO; only sluiceway's own logger follows --log-level.
     logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
     logging.getLogger("sluiceway").setLevel(cfg.logging.log_level)
@@ -31,7 +32,7 @@ def configure_logging(cfg: RunConfig) -> None:
     for h in root.handlers:
         if not any(isinstance(f, _NoPrefectFailures) for f in h.filters) and not getattr(h, "run_log", False):
             h.addFilter(_NoPrefectFailures())
-    path = Path(cfg.storage.output_dir).resolve() / "logs" / "sluiceway.log"
+    path = run_log_path(cfg)
     ours = [h for h in root.handlers if getattr(h, "run_log", None) == path]
     if ours:
         return
@@ -43,6 +44,35 @@ def configure_logging(cfg: RunConfig) -> None:
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     handler.run_log = path
     root.addHandler(handler)
+
+
+def run_log_path(cfg: RunConfig) -> Path:
+    return Path(cfg.storage.output_dir).resolve() / "sluiceway.log"
+
+
+def send_native_stderr_to_log(cfg: RunConfig) -> None:
+    """Native libraries write to file descriptor 2 directly (deltalake's Rust panics when a write fails midway,
+    gloo's and torch's C++ warnings): during a run that goes to the run's log file. Python's own stderr (the
+    logging handler, warnings, the one-line error) stays on the terminal. Called before configure_logging, whose
+    terminal handler must hold the new sys.stderr; only by the console script (flows/cli.py `entry`)."""
+    path = run_log_path(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    log_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    sys.stderr = open(terminal, "w", buffering=1, errors="backslashreplace")  # noqa: SIM115 - for the process
+
+
+def quiet_teardown(run_dir: Path) -> None:
+    """After a fault's one line: what the interpreter's teardown prints (Prefect failing to flush logs to a
+    server that is gone, a library's exit warnings) goes to the run's log, not under that line."""
+    sys.stderr.flush()
+    try:
+        sys.stderr = open(run_dir / "sluiceway.log", "a", errors="backslashreplace")  # noqa: SIM115
+    except OSError:
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115
 
 
 def record_failure(message: str, exc: BaseException) -> Path | None:

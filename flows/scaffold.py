@@ -18,6 +18,7 @@ from prefect.cache_policies import NO_CACHE
 
 from sluiceway.flows.config import RunConfig
 from sluiceway.infra.errors import UserError
+from sluiceway.storage import run_lock
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.tasks.train.launch import build_trainer
 from sluiceway.tasks.train.remote import RemoteTrainer
@@ -49,6 +50,8 @@ class Registry(Generic[P, R]):
         return self._runs.pop(run_id, None)
 
     def get(self, run_id: str) -> R:
+        """The live run; every stage gets it before it writes, so a run that lost its lease stops here."""
+        run_lock.ensure_held(run_id)
         try:
             return self._runs[run_id]
         except KeyError:

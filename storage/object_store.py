@@ -18,6 +18,7 @@ from urllib.parse import urlparse
 from sluiceway.infra.errors import UserError
 
 DEFAULT_REGION = "us-east-1"
+S3_RETRY_TIMEOUT = "30s"
 _REDACTED = "***"
 # storage_options keys whose values are secrets (redacted wherever the options are shown).
 _SECRET_KEYS = frozenset({"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"})
@@ -133,11 +134,14 @@ class ObjectStore:
             opts["AWS_ENDPOINT_URL"] = self.endpoint_url
         if self.allow_http:
             opts["AWS_ALLOW_HTTP"] = "true"
+        # deltalake's own retries of one request give up after this (its default is 3 minutes); the stages
+        # then retry with backoff (--stage-retries), and a store that stays down is one line (docs/reliability.md).
+        opts["retry_timeout"] = S3_RETRY_TIMEOUT
         return opts
 
     def env(self) -> dict[str, str]:
         """The same settings as ``AWS_*`` environment variables, for child processes (contains secrets)."""
-        return dict(self.storage_options)
+        return {k: v for k, v in self.storage_options.items() if k.startswith("AWS_")}
 
     def join(self, *parts: str) -> str:
         """``root/part/part``; parts may not climb out of the root."""

@@ -10,7 +10,6 @@ resumes elsewhere) is storage/checkpoints.py's job; this module never touches th
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import shutil
@@ -18,6 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from sluiceway.storage.checkpoints import file_digests
 
 if TYPE_CHECKING:
     from sluiceway.tasks.train.trainer import PolicyTrainer
@@ -55,43 +56,6 @@ def save_checkpoint(trainer: PolicyTrainer, path: str | Path, step: int) -> None
         if old.exists():
             shutil.rmtree(old)
     _barrier()
-
-
-def file_digests(path: Path) -> dict[str, dict]:
-    """{name: {"bytes", "sha256"}} of a checkpoint directory's data files (sha256: about half a second a GB here)."""
-    out = {}
-    for f in sorted(path.glob("*.pt")):
-        h = hashlib.sha256()
-        with open(f, "rb") as src:
-            while block := src.read(1 << 22):
-                h.update(block)
-        out[f.name] = {"bytes": f.stat().st_size, "sha256": h.hexdigest()}
-    return out
-
-
-def checkpoint_problem(path: str | Path) -> str | None:
-    """What is wrong with the checkpoint directory `path` (unreadable meta.json, a file missing, truncated or
-    changed since it was written), or None when every file matches what the save recorded. Checkpoints written
-    before the digests were recorded are checked for their meta.json only."""
-    path = Path(path)
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-        recorded = meta.get("files")
-        int(meta["step"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        return f"meta.json is unreadable ({type(e).__name__})"
-    if recorded is None:
-        return None
-    actual = file_digests(path)
-    for name, want in recorded.items():
-        got = actual.get(name)
-        if got is None:
-            return f"{name} is missing"
-        if got["bytes"] != want["bytes"]:
-            return f"{name} has {got['bytes']} bytes, {want['bytes']} were written (truncated?)"
-        if got["sha256"] != want["sha256"]:
-            return f"{name} does not match the sha256 recorded when it was written (corrupted)"
-    return None
 
 
 def load_checkpoint(trainer: PolicyTrainer, path: str | Path) -> int:

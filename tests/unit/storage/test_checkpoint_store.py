@@ -46,3 +46,61 @@ def test_a_half_uploaded_step_is_not_the_latest(store, tmp_path):
     assert latest_checkpoint_step(store, "r2") == 0
     assert download_checkpoint(store, "r2", tmp_path / "dl") == 0
     assert json.loads((tmp_path / "dl" / "meta.json").read_text())["step"] == 0
+
+
+def signed_checkpoint(path, step):
+    """A fake checkpoint whose meta.json records its files' sizes and digests, as the trainer's save does."""
+    from sluiceway.storage.checkpoints import file_digests
+
+    fake_checkpoint(path, step)
+    meta = json.loads((path / "meta.json").read_text()) | {"files": file_digests(path)}
+    (path / "meta.json").write_text(json.dumps(meta))
+    return path
+
+
+def test_a_damaged_checkpoint_is_named_and_never_loaded(tmp_path):
+    import pytest
+
+    from sluiceway.infra.errors import Fault
+    from sluiceway.storage.checkpoints import checkpoint_problem, load_checkpoint
+
+    class Trainer:
+        def load(self, path):
+            raise AssertionError("a damaged checkpoint must not reach the trainer")
+
+    ckpt = signed_checkpoint(tmp_path / "latest", 3)
+    assert checkpoint_problem(ckpt) is None
+    data = bytearray((ckpt / "tp1.pt").read_bytes())
+    data[10] ^= 1
+    (ckpt / "tp1.pt").write_bytes(bytes(data))
+    assert "tp1.pt does not match the sha256" in checkpoint_problem(ckpt)
+    (ckpt / "tp1.pt").write_bytes(bytes(data[:100]))
+    assert "tp1.pt has 100 bytes, 2000 were written" in checkpoint_problem(ckpt)
+    (ckpt / "tp1.pt").unlink()
+    assert checkpoint_problem(ckpt) == "tp1.pt is missing"
+    (ckpt / "meta.json").write_text('{"step": 3, "fil')
+    with pytest.raises(Fault, match="checkpoint .*latest is damaged: meta.json is unreadable"):
+        load_checkpoint(Trainer(), ckpt)
+
+
+def test_an_interrupted_local_save_is_settled(tmp_path):
+    from sluiceway.storage.checkpoints import settle_checkpoint_dir
+
+    latest = tmp_path / "latest"
+    tmp, old = tmp_path / "latest.tmp", tmp_path / "latest.old"
+    # Killed while writing the new one: the previous checkpoint stays, the partial one goes.
+    fake_checkpoint(latest, 1)
+    tmp.mkdir()
+    (tmp / "tp0.pt").write_bytes(b"partial")
+    settle_checkpoint_dir(latest)
+    assert json.loads((latest / "meta.json").read_text())["step"] == 1 and not tmp.exists()
+    # Killed between moving the old one aside and moving the complete new one in: the new one is taken.
+    latest.rename(old)
+    fake_checkpoint(tmp, 2)
+    settle_checkpoint_dir(latest)
+    assert json.loads((latest / "meta.json").read_text())["step"] == 2 and not old.exists() and not tmp.exists()
+    # Killed after moving the old one aside, the new one incomplete (no meta.json yet): the old one comes back.
+    latest.rename(old)
+    tmp.mkdir()
+    settle_checkpoint_dir(latest)
+    assert json.loads((latest / "meta.json").read_text())["step"] == 2 and not tmp.exists()

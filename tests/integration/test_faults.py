@@ -1,0 +1,289 @@
+"""Faults, tried on purpose through the real CLI on tiny-llama (docs/reliability.md lists what each shows).
+
+Every run here has a reward that varies (vowel share) and `--lr 1e-3`, so the weights really move and
+"bit-identical to an uninterrupted run" means something: the reference run's final checkpoint (model and Adam
+state) is compared tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from cli_run import BATCH, SCORER, N
+from paths import DATA
+from process_tags import processes_tagged
+
+from sluiceway.storage.integrity import check_tables
+from sluiceway.storage.maintenance import RUN_TABLES
+from sluiceway.storage.metrics import metrics_frame
+from sluiceway.storage.object_store import ObjectStore
+from sluiceway.storage.trajectories import read_trajectories
+
+STEPS = 3
+
+
+def run_args(run_dir: Path, *extra: str) -> list[str]:
+    return [
+        "run", "--prompt-data", "env:arithmetic", "--hf-checkpoint", "tiny-llama", "--output-dir", str(run_dir),
+        "--rollout-batch-size", str(BATCH), "--n-samples-per-prompt", str(N), "--global-batch-size", str(BATCH * N),
+        "--micro-batch-size", "8", "--rollout-max-response-len", "8", "--rollout-temperature", "1.0",
+        "--lr", "1e-3", "--save-interval", "1", "--env-size", "32", "--seed", "3", "--custom-rm-path", SCORER,
+        "--num-rollout", str(STEPS), *extra,
+    ]  # fmt: skip
+
+
+def cli(args: list[str], cache: Path, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, SLUICEWAY_CACHE=str(cache), **(env or {}))
+    return subprocess.run(
+        [sys.executable, "-m", "sluiceway.flows.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def start(args: list[str], cache: Path, tag: str, env: dict | None = None) -> subprocess.Popen:
+    env = dict(os.environ, SLUICEWAY_CACHE=str(cache), SLUICEWAY_TEST_TAG=tag, **(env or {}))
+    return subprocess.Popen(
+        [sys.executable, "-m", "sluiceway.flows.cli", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def one_line_error(proc: subprocess.CompletedProcess, code: int) -> str:
+    """The command failed with `code`, and said so in exactly one line on stderr, without a traceback."""
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and " INFO " not in ln and " WARNING " not in ln]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    return lines[0]
+
+
+def final_state(run_dir: Path) -> dict:
+    return torch.load(run_dir / "checkpoints" / "latest" / "tp0.pt", map_location="cpu", weights_only=False)
+
+
+def assert_same_training(run_dir: Path, reference: Path) -> None:
+    """Same final weights and Adam state as the uninterrupted run, every step's data once, metrics complete."""
+    got, want = final_state(run_dir), final_state(reference)
+    assert got["step"] == want["step"] == STEPS - 1
+    for name, tensor in want["model"].items():
+        assert torch.equal(got["model"][name], tensor), name
+    for pid, state in want["optimizer"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(got["optimizer"]["state"][pid][key]), torch.as_tensor(value)), key
+    store = ObjectStore.from_uri(str(run_dir / "tables"))
+    table = read_trajectories(store, run_dir.name)
+    keys = list(zip(*(table.column(c).to_pylist() for c in ("step", "group_id", "sample_index"))))
+    assert len(keys) == len(set(keys)) == STEPS * BATCH * N
+    frame = metrics_frame(store, run_dir.name)
+    assert list(frame["train/loss"].dropna().index) == list(range(STEPS))
+
+
+def wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"the run ended before {what}: {proc.stdout.read()}"
+        assert time.monotonic() < deadline, f"never saw {what}"
+        time.sleep(0.02)
+
+
+def checkpoint_step(run_dir: Path) -> int | None:
+    meta = run_dir / "checkpoints" / "latest" / "meta.json"
+    try:
+        return yaml.safe_load(meta.read_text())["step"]
+    except (OSError, TypeError, KeyError, yaml.YAMLError):
+        return None
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache) -> Path:
+    """An uninterrupted run: what every interrupted one must end up equal to."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    proc = cli(run_args(run_dir), cache)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return run_dir
+
+
+def copy_run(src: Path, dst_parent: Path) -> Path:
+    """A finished run in another directory (its run record pointed there), to damage without touching `src`."""
+    dst = dst_parent / src.name
+    shutil.copytree(src, dst)
+    record = dst / "sluiceway-run.yaml"
+    data = yaml.safe_load(record.read_text())
+    data["config"]["storage"]["output_dir"] = str(dst)
+    record.write_text(yaml.safe_dump(data, sort_keys=False))
+    return dst
+
+
+def kill_when(run_dir: Path, cache: Path, predicate, what: str) -> None:
+    tag = f"fault-{uuid.uuid4().hex}"
+    proc = start(run_args(run_dir), cache, tag)
+    wait_for(lambda: predicate(run_dir), proc, what)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    time.sleep(1)
+    assert not processes_tagged(tag), "processes of the killed run are still alive"
+
+
+def test_kill_right_after_a_checkpoint_loses_no_metrics(tmp_path, cache, reference):
+    run_dir = tmp_path / "run"
+    kill_when(run_dir, cache, lambda d: checkpoint_step(d) is not None, "a checkpoint")
+    resumed = cli(["resume", str(run_dir)], cache)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert_same_training(run_dir, reference)
+
+
+@pytest.mark.slow  # three kills at seeded random moments: about a minute on 2 cores
+def test_kill_at_seeded_random_moments(tmp_path, cache, reference):
+    rng = random.Random(20)
+    run_dir = tmp_path / "run"
+    tag = f"fault-{uuid.uuid4().hex}"
+    proc = start(run_args(run_dir), cache, tag)
+    for _ in range(3):
+        time.sleep(rng.uniform(2.0, 9.0))
+        if proc.poll() is not None:
+            break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc = start(["resume", str(run_dir)], cache, tag)
+    assert proc.wait(600) == 0, proc.stdout.read()
+    assert_same_training(run_dir, reference)
+
+
+def test_a_second_run_on_a_live_directory_is_refused(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    tag = f"fault-{uuid.uuid4().hex}"
+    first = start(run_args(run_dir), cache, tag)
+    wait_for(lambda: (run_dir / "sluiceway-run.yaml").exists(), first, "the first run's record")
+    second = cli(run_args(run_dir, "--seed", "4"), cache)
+    line = one_line_error(second, 2)
+    assert f"in use by `sluiceway run` (pid {first.pid} on " in line
+    resumed = cli(["resume", str(run_dir)], cache)  # a resume of a live run is refused the same way
+    assert f"pid {first.pid}" in one_line_error(resumed, 2)
+    assert first.wait(600) == 0
+    # Finished, the directory still holds that run: another config is refused, not mixed in.
+    later = cli(run_args(run_dir, "--seed", "4"), cache)
+    assert "holds another run (training.seed differ)" in one_line_error(later, 2)
+
+
+def test_an_unusable_reward_source_stops_the_run_and_resume_scores_again(tmp_path, cache, reference):
+    run_dir, marker = tmp_path / "run", tmp_path / "rm-broken"
+    marker.touch()
+    env = {"RM_BROKEN_MARKER": str(marker)}
+    scorer = str(DATA / "noise_rewards.py") + ":vowel_share_unless_broken"
+    args = run_args(run_dir)
+    args[args.index(SCORER)] = scorer
+    failed = cli(args, cache, env)
+    line = one_line_error(failed, 1)
+    assert "failed to score" in line and "HTTP 401" in line and "no reward was stored" in line
+    store = ObjectStore.from_uri(str(run_dir / "tables"))
+    assert read_trajectories(store, "run", 0).column("reward").null_count == BATCH * N  # no zeros stored
+    marker.unlink()  # the reward source works again
+    resumed = cli(["resume", str(run_dir)], cache, env)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert read_trajectories(store, "run").column("reward").null_count == 0
+
+
+def _delete_earlier_parquet(run_dir: Path) -> None:
+    from deltalake import DeltaTable
+
+    files = DeltaTable(str(run_dir / "tables" / "trajectories")).file_uris()
+    os.remove(sorted(files, key=lambda f: os.path.getmtime(f.removeprefix("file://")))[0].removeprefix("file://"))
+
+
+def _truncate_newest_commit(run_dir: Path) -> None:
+    log_dir = run_dir / "tables" / "trajectories" / "_delta_log"
+    newest = sorted(log_dir.glob("*.json"))[-1]
+    newest.write_bytes(newest.read_bytes()[:40])
+
+
+def _truncate_checkpoint(run_dir: Path) -> None:
+    f = run_dir / "checkpoints" / "latest" / "tp0.pt"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _flip_checkpoint_byte(run_dir: Path) -> None:
+    f = run_dir / "checkpoints" / "latest" / "tp0.pt"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "earlier parquet deleted": (_delete_earlier_parquet, "references files that are gone or damaged (1 missing"),
+    "newest commit truncated": (_truncate_newest_commit, "cannot be read"),
+    "checkpoint truncated": (_truncate_checkpoint, "were written (truncated?)"),
+    "checkpoint corrupted": (_flip_checkpoint_byte, "does not match the sha256"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_state_is_one_line_never_a_silent_success(tmp_path, reference, cache, damage):
+    run_dir = copy_run(reference, tmp_path)
+    harm, expected = DAMAGE[damage]
+    harm(run_dir)
+    resumed = cli(["resume", str(run_dir)], cache)
+    line = one_line_error(resumed, 1)
+    assert expected in line, line
+
+
+def test_a_damaged_checkpoint_moved_away_retrains_to_the_same_weights(tmp_path, reference, cache):
+    run_dir = copy_run(reference, tmp_path)
+    _truncate_checkpoint(run_dir)
+    one_line_error(cli(["resume", str(run_dir)], cache), 1)
+    shutil.move(run_dir / "checkpoints" / "latest", tmp_path / "damaged")  # what the message says to do
+    resumed = cli(["resume", str(run_dir)], cache)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert_same_training(run_dir, reference)  # retrained from the stored trajectories, bit for bit
+
+
+def test_a_truncated_commit_rolled_back_by_hand_resumes(tmp_path, reference, cache):
+    run_dir = copy_run(reference, tmp_path)
+    _truncate_newest_commit(run_dir)
+    line = one_line_error(cli(["resume", str(run_dir)], cache), 1)
+    commit = line.split("newest commit ", 1)[1].split(" ", 1)[0]
+    shutil.move(commit, tmp_path / "damaged.json")  # what the message says to do
+    resumed = cli(["resume", str(run_dir)], cache)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    check_tables(ObjectStore.from_uri(str(run_dir / "tables")), RUN_TABLES)
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    return ok.returncode == 0
+
+
+def test_disk_full_is_one_line_and_resume_finishes_after_space_is_freed(tmp_path, cache, reference):
+    mount = tmp_path / "small"
+    if not _mount_tmpfs(mount, "6m"):
+        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN) on this machine")
+    try:
+        run_dir = mount / "run"
+        failed = cli(run_args(run_dir), cache)
+        line = one_line_error(failed, 1)
+        assert "disk full" in line and f"sluiceway resume {run_dir}" in line, line
+        check_tables(ObjectStore.from_uri(str(run_dir / "tables")), RUN_TABLES)  # nothing left unreadable
+        subprocess.run(["mount", "-o", "remount,size=256m", str(mount)], check=True)
+        resumed = cli(["resume", str(run_dir)], cache)
+        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        assert_same_training(run_dir, reference)
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
