@@ -84,22 +84,34 @@ def processes_with_env(name: str, value: str) -> list[int]:
     return found
 
 
-def loopback_store(timeout_s: float = 300.0):
-    """A torch.distributed TCPStore for a world of one that listens on 127.0.0.1 only.
+def loopback_store(timeout_s: float = 300.0, world_size: int = 1):
+    """A torch.distributed TCPStore server that listens on 127.0.0.1 only, on a port the OS picked.
 
-    `init_process_group(init_method="tcp://127.0.0.1:PORT")` starts a store listening on every interface
-    (unauthenticated, reachable from the network); binding the socket ourselves and handing its descriptor
-    to the store keeps it on loopback.
+    TCPStore's server listens on every interface whatever host it is given (`init_process_group(init_method=
+    "tcp://127.0.0.1:PORT")`, torchrun's rendezvous): unauthenticated, reachable from the network. Binding the
+    socket ourselves and handing its descriptor to the store keeps it on loopback; port 0 means two runs
+    started at once cannot pick the same port. The port is the store's `.port`.
     """
     import datetime
 
     import torch.distributed as dist
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
+    sock.bind((LOOPBACK, 0))
     sock.listen(64)
     port = sock.getsockname()[1]
     fd = sock.detach()  # the store owns the descriptor from here on
-    return dist.TCPStore(
-        "127.0.0.1", port, 1, True, datetime.timedelta(seconds=timeout_s), master_listen_fd=fd
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.TCPStore(LOOPBACK, port, world_size, True, timeout, master_listen_fd=fd)
+
+
+def loopback_collectives() -> None:
+    """Keep gloo's and NCCL's own sockets on loopback, unless the environment already names an interface.
+
+    Gloo listens on the address the hostname resolves to (a LAN address on most machines) and NCCL's bootstrap
+    on the first non-loopback interface; every trainer here runs on one machine and needs neither. Set before
+    the process group is made; children (the ranks, engines) inherit it.
+    """
+    if sys.platform.startswith("linux"):
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(name, "lo")

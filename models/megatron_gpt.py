@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sluiceway.infra.proc import loopback_store
+from sluiceway.infra.proc import loopback_collectives, loopback_store
 from sluiceway.models.fused_logprobs import token_logprob_entropy
 
 with warnings.catch_warnings():
@@ -76,6 +76,7 @@ def init_parallel_state(
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not torch.distributed.is_initialized():
+        loopback_collectives()
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -13,7 +13,14 @@ SCORER = str(DATA / "noise_rewards.py") + ":vowel_share"
 
 
 def run_cli(run_dir, cache, *extra, env=None):
-    args = [
+    env = dict(os.environ, SLUICEWAY_CACHE=str(cache), **(env or {}))
+    proc = subprocess.run(cli_args(run_dir, *extra), capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def cli_args(run_dir, *extra) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "sluiceway.flows.cli",
@@ -48,7 +55,3 @@ def run_cli(run_dir, cache, *extra, env=None):
         SCORER,
         *extra,
     ]
-    env = dict(os.environ, SLUICEWAY_CACHE=str(cache), **(env or {}))
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc

@@ -53,3 +53,21 @@ def listening_sockets(pid: int) -> list[tuple[str, int]]:
                 ip = ".".join(map(str, words)) if width == 8 else words.hex(":", 2)
                 found.append((ip, int(port, 16)))
     return found
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every live descendant of it, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo.extend(children.get(tree[-1], []))
+    return tree

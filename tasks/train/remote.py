@@ -1,7 +1,9 @@
 """The driver's handle on a torchrun trainer process group (tasks/train/worker.py): same methods as PolicyTrainer.
 
 The flow process starts the group once per run and drives it step after step; the model is never rebuilt. The
-control channel is a loopback socket authenticated with a random key passed through the environment.
+control channel is a loopback socket authenticated with a random key passed through the environment; rank 0
+listens on a port the OS picks (so two runs cannot collide) and writes it to a file the driver reads. Every socket
+of the group is on loopback (tasks/train/torchrun.py, infra/proc.py `loopback_collectives`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from multiprocessing.connection import Client
 from pathlib import Path
 from typing import Any
 
-from sluiceway.infra.proc import die_with_parent, free_ports
+from sluiceway.infra.proc import LOOPBACK, die_with_parent
 from sluiceway.tasks.train.worker import recv, send
 
 
@@ -40,12 +42,13 @@ class RemoteTrainer:
         init_file.write_text(json.dumps(init_kwargs, default=str))
         self.log_path = self.work_dir / "trainer.log"
         key = secrets.token_bytes(32)
-        control_port, master_port = free_ports(2)
-        control = ("127.0.0.1", control_port)
+        control_file = self.work_dir / "trainer_control"
+        control_file.unlink(missing_ok=True)  # a previous group's address
         env = dict(
             os.environ,
             SLUICEWAY_TRAINER_INIT=str(init_file),
-            SLUICEWAY_TRAINER_CONTROL=f"{control[0]}:{control[1]}",
+            SLUICEWAY_TRAINER_CONTROL=f"{LOOPBACK}:0",
+            SLUICEWAY_TRAINER_CONTROL_FILE=str(control_file),
             SLUICEWAY_TRAINER_AUTHKEY=key.hex(),
             SLUICEWAY_TRAINER_THREADS=str(threads_per_proc),
             OMP_NUM_THREADS=str(threads_per_proc),
@@ -53,10 +56,10 @@ class RemoteTrainer:
         cmd = [
             sys.executable,
             "-m",
-            "torch.distributed.run",
+            "sluiceway.tasks.train.torchrun",
+            "--rdzv-backend=loopback",
+            "--rdzv-endpoint=127.0.0.1:0",  # the store picks its port; torchrun warns without an endpoint
             f"--nproc-per-node={nproc}",
-            "--master-addr=127.0.0.1",
-            f"--master-port={master_port}",
             "-m",
             "sluiceway.tasks.train.worker",
         ]
@@ -67,22 +70,23 @@ class RemoteTrainer:
         )
         self.conn = None
         try:
-            self.conn = self._connect(control, key, start_timeout_s)
+            self.conn = self._connect(control_file, key, start_timeout_s)
             self.world_size = self._reply()["world_size"]
         except BaseException:
             self.close()
             raise
         self.weight_version = 0
 
-    def _connect(self, address: tuple[str, int], key: bytes, timeout_s: float):
-        # Rank 0 listens only once its model is built; until then connections are refused.
+    def _connect(self, control_file: Path, key: bytes, timeout_s: float):
+        # Rank 0 listens, and writes where, only once its model is built.
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
                 raise TrainerGroupError(f"trainer group exited with {self.proc.returncode} at start{self._log_tail()}")
             try:
-                return Client(address, authkey=key)
-            except (ConnectionRefusedError, FileNotFoundError):
+                host, port = control_file.read_text().rsplit(":", 1)
+                return Client((host, int(port)), authkey=key)
+            except (FileNotFoundError, ConnectionRefusedError):
                 if time.monotonic() > deadline:
                     msg = f"trainer group did not start within {timeout_s:.0f}s{self._log_tail()}"
                     raise TrainerGroupError(msg) from None

@@ -7,7 +7,8 @@ collectives inside line up), and rank 0 sends the result back. The model is buil
 the group does.
 
     SLUICEWAY_TRAINER_INIT      JSON file of PolicyTrainer's arguments (configs as dicts; no secrets)
-    SLUICEWAY_TRAINER_CONTROL   host:port rank 0 listens on (loopback)
+    SLUICEWAY_TRAINER_CONTROL   host:port rank 0 listens on (loopback; port 0: one the OS picks)
+    SLUICEWAY_TRAINER_CONTROL_FILE  where rank 0 then writes the host:port it listens on (optional)
     SLUICEWAY_TRAINER_AUTHKEY   hex key the driver must present (kept out of argv, so out of `ps` and logs)
 """
 
@@ -70,7 +71,10 @@ def serve() -> None:
         return
     host, port = os.environ["SLUICEWAY_TRAINER_CONTROL"].rsplit(":", 1)
     key = bytes.fromhex(os.environ.pop("SLUICEWAY_TRAINER_AUTHKEY"))
-    with Listener((host, int(port)), authkey=key) as listener, listener.accept() as conn:
+    with Listener((host, int(port)), authkey=key) as listener:
+        _publish(listener.address)
+        conn = listener.accept()  # one driver: stop listening once it is here
+    with conn:
         if failure is not None:
             send(conn, ("error", failure))
             return
@@ -82,6 +86,16 @@ def serve() -> None:
                 break
             send(conn, _run(trainer, msg))
     dist.destroy_process_group()
+
+
+def _publish(address: tuple[str, int]) -> None:
+    # Port 0 lets the OS pick a port no other run holds; the driver learns it from this file.
+    path = os.environ.get("SLUICEWAY_TRAINER_CONTROL_FILE")
+    if path:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{address[0]}:{address[1]}")
+        os.replace(tmp, path)  # the driver never reads half an address
 
 
 def _follow(trainer) -> None:
