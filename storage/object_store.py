@@ -175,11 +175,14 @@ class ObjectStore:
         client_kwargs: dict[str, Any] = {"region_name": self.region}
         if self.endpoint_url:
             client_kwargs["endpoint_url"] = self.endpoint_url
+        # No listings cache: deltalake writes under the same prefixes behind s3fs's back, and a cached listing
+        # makes s3fs report a file written since as missing (fsspec shares one instance per process).
         return s3fs.S3FileSystem(
             key=self._access_key,
             secret=self._secret_key,
             token=self._session_token,
             client_kwargs=client_kwargs,
+            use_listings_cache=False,
         )
 
     # -- keeping secrets out of output -------------------------------------------------------------------------

@@ -144,6 +144,7 @@ def test_loop_with_a_torchrun_trainer_group(tmp_path):
     proc = run_cli(run_dir, cache, "--num-rollout", "3", *group)
     assert "step   2/3" not in proc.stdout and "step   3/3  reward" in proc.stdout
     meta = json.loads((run_dir / "checkpoints" / "latest" / "meta.json").read_text())
+    assert sorted(meta.pop("files")) == ["tp0.pt", "tp1.pt"]  # each file's size and sha256, checked on load
     assert meta == {"step": 2, "weight_version": 3, "tensor_parallel": 2}
 
 
