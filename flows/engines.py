@@ -16,6 +16,7 @@ from sluiceway.flows.config import RunConfig
 from sluiceway.flows.preflight import engine_max_total_len
 from sluiceway.infra.aio import BackgroundLoop
 from sluiceway.infra.pool import EnginePool
+from sluiceway.infra.proc import child_env
 from sluiceway.infra.router import HOST, SGLangRouter
 from sluiceway.infra.sglang_launcher import require_sglang, sglang_server_command
 from sluiceway.storage.object_store import ObjectStore
@@ -76,7 +77,7 @@ class RolloutEngines:
                 router=self.router,
                 external_urls=r.rollout_external_engine_addrs or (),
                 engine_args=engine_args,
-                env=dict(os.environ),
+                env=child_env(),  # no credentials: engines never touch the store (infra/proc.py)
                 launcher=launcher,
             ).spawn()
         except BaseException:

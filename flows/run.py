@@ -9,6 +9,7 @@ from pathlib import Path
 
 from sluiceway.flows.config import RunConfig
 from sluiceway.infra.prefect_env import configure_prefect, wait_for_api_server
+from sluiceway.infra.proc import register_secret_env
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
@@ -89,6 +90,8 @@ def record_failure(message: str, exc: BaseException) -> Path | None:
 
 
 def _configure(cfg: RunConfig, wait: bool = True) -> None:
+    if cfg.reward.rm_api_key_env:  # before any child process starts: none of them gets the key (infra/proc.py)
+        register_secret_env(cfg.reward.rm_api_key_env)
     configure_prefect(cfg.storage.output_dir, wait=wait)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is fetched from a hub at run time
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

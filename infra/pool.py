@@ -27,7 +27,7 @@ from typing import Self
 
 import httpx
 
-from sluiceway.infra.proc import die_with_parent, free_port
+from sluiceway.infra.proc import child_env, die_with_parent, free_port
 from sluiceway.infra.router import HOST, SGLangRouter, log_tail, stop_process_group
 
 
@@ -100,7 +100,7 @@ class EnginePool:
         return [e.url for e in self.engines]
 
     def _engine_env(self) -> dict[str, str]:
-        env = dict(os.environ)  # passes SLUICEWAY_CACHE, HF_*, device settings through
+        env = child_env()  # SLUICEWAY_CACHE, HF_*, device settings; no credentials (infra/proc.py)
         t = str(self.threads_per_engine)
         for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             env.setdefault(key, t)

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 from sluiceway.infra.cache import cache_root
-from sluiceway.infra.proc import die_with_parent, free_port
+from sluiceway.infra.proc import child_env, die_with_parent, free_port
 from sluiceway.infra.router import stop_process_group
 
 START_TIMEOUT_S = 180.0
@@ -61,7 +61,7 @@ def start_api_server(home: Path, timeout_s: float = START_TIMEOUT_S, wait: bool 
     if fresh and template.exists():
         shutil.copyfile(template, db)
     port = free_port()
-    env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_UI_ENABLED="0", PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    env = child_env(PREFECT_HOME=str(home), PREFECT_UI_ENABLED="0", PREFECT_SERVER_ANALYTICS_ENABLED="false")
     env.pop("PREFECT_API_URL", None)
     log = open(home / "api-server.log", "ab")
     proc = subprocess.Popen(

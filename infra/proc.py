@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import socket
 import sys
@@ -115,3 +116,21 @@ def loopback_collectives() -> None:
     if sys.platform.startswith("linux"):
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             os.environ.setdefault(name, "lo")
+
+
+# Environment variables a child process never needs: object-store and API credentials stay in the flow's
+# process, which does all storage and reward-model calls (engines, router, trainer ranks and Prefect's server
+# get none). A reward model's key variable has a user-chosen name: `register_secret_env` adds it.
+_SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|API_?KEY|ACCESS_KEY|CREDENTIAL|AUTHKEY", re.I)
+_SECRET_NAMES: set[str] = set()
+
+
+def register_secret_env(name: str) -> None:
+    _SECRET_NAMES.add(name)
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """os.environ without credentials, plus `extra` (which may hold what a child must have)."""
+    env = {k: v for k, v in os.environ.items() if k not in _SECRET_NAMES and not _SECRET_NAME.search(k)}
+    env.update(extra)
+    return env

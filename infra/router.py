@@ -74,7 +74,7 @@ from typing import Self
 
 import httpx
 
-from sluiceway.infra.proc import die_with_parent, free_port
+from sluiceway.infra.proc import child_env, die_with_parent, free_port
 
 HOST = "127.0.0.1"
 # power_of_two is left out: 0.3.2 refuses to start it with fewer than 2 workers, and we start empty.
@@ -183,6 +183,7 @@ class SGLangRouter:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
+                    env=child_env(),  # no credentials (infra/proc.py)
                     start_new_session=True,  # its own process group, so stop() takes everything it spawned
                     preexec_fn=die_with_parent,  # a SIGKILLed flow leaves no engines behind
                 )

@@ -9,7 +9,6 @@ of the group is on loopback (tasks/train/torchrun.py, infra/proc.py `loopback_co
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from multiprocessing.connection import Client
 from pathlib import Path
 from typing import Any
 
-from sluiceway.infra.proc import LOOPBACK, die_with_parent
+from sluiceway.infra.proc import LOOPBACK, child_env, die_with_parent
 from sluiceway.tasks.train.worker import recv, send
 
 
@@ -44,8 +43,7 @@ class RemoteTrainer:
         key = secrets.token_bytes(32)
         control_file = self.work_dir / "trainer_control"
         control_file.unlink(missing_ok=True)  # a previous group's address
-        env = dict(
-            os.environ,
+        env = child_env(  # no credentials: the driver does every store call (infra/proc.py)
             SLUICEWAY_TRAINER_INIT=str(init_file),
             SLUICEWAY_TRAINER_CONTROL=f"{LOOPBACK}:0",
             SLUICEWAY_TRAINER_CONTROL_FILE=str(control_file),

@@ -287,3 +287,48 @@ def test_disk_full_is_one_line_and_resume_finishes_after_space_is_freed(tmp_path
         assert_same_training(run_dir, reference)
     finally:
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def open_cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ")[:200]
+    except OSError:
+        return b""
+
+
+def _environ(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def test_credentials_reach_no_child_process_and_no_file(tmp_path, cache):
+    """Markers for every credential: the flow's process has them; its children (engines, router, Prefect's server)
+    and every file the run writes (logs, tables, checkpoints, Prefect's database) never do."""
+    from process_tags import process_tree
+
+    marker = f"mark{uuid.uuid4().hex}"
+    secrets = {
+        "AWS_ACCESS_KEY_ID": f"AK{marker}", "AWS_SECRET_ACCESS_KEY": f"SK{marker}", "AWS_SESSION_TOKEN": f"ST{marker}",
+        "WANDB_API_KEY": f"WB{marker}", "MY_RM_KEY": f"RM{marker}",
+    }  # fmt: skip
+    run_dir = tmp_path / "run"
+    proc = start(run_args(run_dir, "--rm-api-key-env", "MY_RM_KEY"), cache, f"fault-{uuid.uuid4().hex}", secrets)
+    seen: dict[int, bytes] = {}
+    while proc.poll() is None:
+        for pid in process_tree(proc.pid)[1:]:
+            env = _environ(pid)
+            if env:
+                seen[pid] = env + b"\0CMDLINE " + open_cmdline(pid)
+        time.sleep(0.1)
+    assert proc.returncode == 0, proc.stdout.read()
+    assert len(seen) >= 2, "no child process was sampled"  # at least an engine and Prefect's server
+    leaked = [pid for pid, env in seen.items() if marker.encode() in env]
+    names = {pid: [v[:120] for v in seen[pid].split(b"\0") if v.startswith(b"CMDLINE")] for pid in leaked}
+    assert not leaked, f"children with credentials in their environment: {names}"
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            assert marker.encode() not in path.read_bytes(), f"a credential was written to {path}"
