@@ -35,7 +35,7 @@ def save_run_record(cfg: RunConfig, command: str) -> Path:
             old = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError:
             old = {}
-        changed = _differences(old.get("config") or {}, config) if isinstance(old, dict) else ["record"]
+        changed = _differences(_current(old.get("config")), config) if isinstance(old, dict) else ["record"]
         if isinstance(old, dict) and old.get("command") != command:
             changed.insert(0, "command")
         changed = [c for c in changed if c not in CONTINUABLE and not c.startswith(("logging.", "eval."))]
@@ -48,6 +48,14 @@ def save_run_record(cfg: RunConfig, command: str) -> Path:
     tmp.write_text(yaml.safe_dump({"command": command, "config": config}, sort_keys=False))
     tmp.replace(path)
     return path
+
+
+def _current(recorded) -> dict:
+    """A recorded config as this version writes it (fields added since get their defaults), or as it was."""
+    try:
+        return RunConfig.model_validate(recorded).model_dump(mode="json")
+    except Exception:  # noqa: BLE001 - a record from another version: compared field by field as it is
+        return recorded if isinstance(recorded, dict) else {}
 
 
 def _differences(old: dict, new: dict) -> list[str]:

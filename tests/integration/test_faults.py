@@ -209,7 +209,8 @@ def _delete_earlier_parquet(run_dir: Path) -> None:
 
 
 def _truncate_newest_commit(run_dir: Path) -> None:
-    log_dir = run_dir / "tables" / "trajectories" / "_delta_log"
+    # The metrics table: three commits, no log checkpoint (a commit that a checkpoint covers is never read).
+    log_dir = run_dir / "tables" / "metrics" / "_delta_log"
     newest = sorted(log_dir.glob("*.json"))[-1]
     newest.write_bytes(newest.read_bytes()[:40])
 
