@@ -38,8 +38,7 @@ class _Group(BaseModel):
 
 # Settings accepted by the schema whose implementation has not landed: setting one is an error (issue 21).
 NOT_YET_AVAILABLE = {
-    "ray_address", "actor_num_nodes", "use_distributed_optimizer", "recompute_granularity", "recompute_method",
-    "recompute_num_layers",
+    "ray_address", "actor_num_nodes", "recompute_granularity", "recompute_method", "recompute_num_layers",
 }  # fmt: skip
 
 

@@ -4,6 +4,10 @@
                        RNG states, weight version, step, and the PPO critic's state (or None)
     <dir>/meta.json    {"step", "weight_version", "tensor_parallel"}
 
+The layout is the same with `--use-distributed-optimizer` (tasks/train/zero.py): the sharded masters and Adam
+moments are gathered into the full per-parameter state on DP rank 0 before it writes, and each rank takes its shard
+on load, so a checkpoint saved at one DP size, with or without the flag, loads at any other.
+
 `PolicyTrainer.save`/`load` call these. Copying a finished directory to the object store and back (so a run
 resumes elsewhere) is storage/checkpoints.py's job; this module never touches the store.
 """
@@ -27,22 +31,25 @@ if TYPE_CHECKING:
 def save_checkpoint(trainer: PolicyTrainer, path: str | Path, step: int) -> None:
     """Checkpoint directory: per TP rank the model shard, optimizer, LR schedule, RNG states; a meta.json.
 
-    A collective (every rank calls it). DP replicas hold the same state, so only DP rank 0 writes. The new
-    directory is complete before it replaces the old one, so a crash mid-save leaves the previous checkpoint.
+    A collective (every rank calls it). DP replicas hold the same state, so only DP rank 0 writes (with the
+    distributed optimizer every DP rank first sends it its shards). The new directory is complete before it
+    replaces the old one, so a crash mid-save leaves the previous checkpoint.
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    if trainer.dp_rank == 0:
-        tmp.mkdir(parents=True, exist_ok=True)
+    sharded = trainer.zero is not None
+    if trainer.dp_rank == 0 or sharded:  # sharded: the gathers below are collectives over DP
         state = {
             "model": trainer.master_state_dict(),
-            "optimizer": trainer.optimizer.state_dict(),
+            "optimizer": trainer.zero.state_dict() if sharded else trainer.optimizer.state_dict(),
             "scheduler": trainer.scheduler.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
             "weight_version": trainer.weight_version,
             "step": step,
             "critic": None if trainer.critic is None else trainer.critic.state_dict(),
         }
+    if trainer.dp_rank == 0:
+        tmp.mkdir(parents=True, exist_ok=True)
         torch.save(state, tmp / f"tp{trainer.tp_rank}.pt")
     _barrier()
     if torch.distributed.get_rank() == 0:
@@ -59,7 +66,8 @@ def save_checkpoint(trainer: PolicyTrainer, path: str | Path, step: int) -> None
 
 
 def load_checkpoint(trainer: PolicyTrainer, path: str | Path) -> int:
-    """Restore a checkpoint written by `save_checkpoint` with the same tensor-parallel size; returns its step."""
+    """Restore a checkpoint written by `save_checkpoint` with the same tensor-parallel size (any DP size, with or
+    without the distributed optimizer); returns its step."""
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
     if meta["tensor_parallel"] != trainer.tp_size:
@@ -74,10 +82,15 @@ def load_checkpoint(trainer: PolicyTrainer, path: str | Path) -> int:
         raise RuntimeError(
             f"{path}: checkpoint does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
-    with torch.no_grad():
-        for n, m in zip(trainer.param_names, trainer.master):
-            m.copy_(state["model"][n])
-    trainer.optimizer.load_state_dict(state["optimizer"])
+    masters = [state["model"][n] for n in trainer.param_names]
+    if trainer.zero is not None:
+        trainer.zero.load_masters(masters)
+        trainer.zero.load_state_dict(state["optimizer"])
+    else:
+        with torch.no_grad():
+            for m, v in zip(trainer.master, masters):
+                m.copy_(v)
+        trainer.optimizer.load_state_dict(state["optimizer"])
     trainer.scheduler.load_state_dict(state["scheduler"])
     if trainer.critic is not None:
         if state.get("critic") is None:

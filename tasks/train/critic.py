@@ -31,6 +31,7 @@ from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS, gae, reinfo
 from sluiceway.tasks.train.losses import kl_penalty, value_objective
 from sluiceway.tasks.train.optim import adamw, step_master_weights
 from sluiceway.tasks.train.parallel import is_tensor_parallel, reduce_step_metrics
+from sluiceway.tasks.train.zero import ShardedAdamW
 
 if TYPE_CHECKING:
     from sluiceway.tasks.train.collation import MicroBatch
@@ -204,7 +205,12 @@ class Critic:
             self.master = params
         self.tp_flags = [is_tensor_parallel(p) for p in params]
         lr = algorithm.critic_lr if algorithm.critic_lr is not None else training.lr
-        self.optimizer = adamw(self.master, training, lr)
+        self.zero = None  # --use-distributed-optimizer: as the policy's (tasks/train/zero.py)
+        if training.use_distributed_optimizer:
+            self.zero = ShardedAdamW(self.model, self.master if self.mixed_precision else None, training, lr)
+            self.master, self.optimizer = None, self.zero.optimizer
+        else:
+            self.optimizer = adamw(self.master, training, lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda)
         self.rollouts_trained = 0  # for the critic-only warm-up (num_critic_only_steps)
 
@@ -237,6 +243,8 @@ class Critic:
     def step(self) -> torch.Tensor:
         """Reduce gradients over DP, clip (TP-aware norm), AdamW on the masters, copy back; returns the grad norm."""
         allreduce_gradients(self.model)
+        if self.zero is not None:
+            return self.zero.step(self.scheduler, self.tp_flags, self.training.clip_grad)
         return step_master_weights(
             self.model,
             self.master,
@@ -248,18 +256,27 @@ class Critic:
         )
 
     def state_dict(self) -> dict[str, Any]:
+        """A collective over DP with the distributed optimizer (the shards are gathered; complete on DP rank 0)."""
+        masters = self.master if self.zero is None else self.zero.full_masters()
         return {
-            "model": {n: m.detach() for n, m in zip(self.param_names, self.master)},
-            "optimizer": self.optimizer.state_dict(),
+            "model": {n: m.detach() for n, m in zip(self.param_names, masters)},
+            "optimizer": self.optimizer.state_dict() if self.zero is None else self.zero.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "rollouts_trained": self.rollouts_trained,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        values = [state["model"][n] for n in self.param_names]
         with torch.no_grad():
-            for n, m, p in zip(self.param_names, self.master, self.model.parameters()):
-                m.copy_(state["model"][n])
-                p.copy_(m)
-        self.optimizer.load_state_dict(state["optimizer"])
+            for p, v in zip(self.model.parameters(), values):
+                p.copy_(v)
+        if self.zero is not None:
+            self.zero.load_masters(values)
+            self.zero.load_state_dict(state["optimizer"])
+        else:
+            with torch.no_grad():
+                for m, v in zip(self.master, values):
+                    m.copy_(v)
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.rollouts_trained = state["rollouts_trained"]

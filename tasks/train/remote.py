@@ -136,8 +136,12 @@ class RemoteTrainer:
     def write_weights(self, hf_dir: str | Path, root: str | Path, dtype: str | None = None) -> Path:
         return Path(self._call("write_weights", str(hf_dir), str(root), dtype))
 
+    def state(self) -> dict[str, int]:
+        """Rank 0's PolicyTrainer.state()."""
+        return self._call("state")
+
     def _refresh(self) -> None:
-        self.weight_version = self._call("state")["weight_version"]
+        self.weight_version = self.state()["weight_version"]
 
     def close(self) -> None:
         """Stop the group: politely over the control channel, then by signal if it does not exit."""

@@ -3,7 +3,8 @@
 On CPU megatron's own DDP/optimizer are CUDA-only (docs/design.md), so the optimizer is torch's AdamW. With
 `bf16` the model computes in bf16 while AdamW updates fp32 master copies of its weights (megatron's own
 mixed-precision scheme; autocast is not an option because megatron's linear layers pin autocast to CUDA).
-Weights leave the trainer in HF names, from the fp32 masters.
+Weights leave the trainer in HF names, from the fp32 masters. With `use_distributed_optimizer` each data-parallel
+rank keeps only its shard of the masters and of AdamW's moments (ZeRO-1, zero.py).
 
 The trainer holds the models, optimizer and parallel layout and runs the steps; what a step uses lives beside it:
 the samples (`TrainSample`) in batch.py, their micro-batches in collation.py, the objectives in losses.py, the
@@ -47,6 +48,7 @@ from sluiceway.tasks.train.lr_schedule import lr_schedule
 from sluiceway.tasks.train.micro_batches import plan_micro_batches, shard_for_rank
 from sluiceway.tasks.train.optim import adamw, step_master_weights
 from sluiceway.tasks.train.parallel import gather_tensor_parallel, is_tensor_parallel, reduce_step_metrics
+from sluiceway.tasks.train.zero import ShardedAdamW, state_bytes
 
 
 class PolicyTrainer:
@@ -94,7 +96,13 @@ class PolicyTrainer:
             self.ref_model = build_gpt_model(self.hf_config, dtype=dtype, device=self.device)
             load_hf_weights(self.ref_model, hf_state, self.hf_config)
             self.ref_model.eval().requires_grad_(False)
-        self.optimizer = adamw(self.master, training)
+        # --use-distributed-optimizer: this DP rank keeps a shard of the masters and moments (tasks/train/zero.py).
+        self.zero = None
+        if training.use_distributed_optimizer:
+            self.zero = ShardedAdamW(self.model, self.master if self.mixed_precision else None, training)
+            self.master, self.optimizer = None, self.zero.optimizer
+        else:
+            self.optimizer = adamw(self.master, training)
         self.lr_factor = lr_schedule(training, total_iters)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_factor)
         self.tp_flags = [is_tensor_parallel(p) for p in params]
@@ -218,14 +226,18 @@ class PolicyTrainer:
 
     def _step_master_weights(self) -> torch.Tensor:
         t = self.training
+        if self.zero is not None:
+            return self.zero.step(self.scheduler, self.tp_flags, t.clip_grad)
         return step_master_weights(
             self.model, self.master, self.optimizer, self.scheduler, self.tp_flags, t.clip_grad, self.mixed_precision
         )
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's model state in megatron names with fp32 master values for every parameter."""
+        """This rank's model state in megatron names with fp32 master values for every parameter (a collective over
+        DP with the distributed optimizer and bf16: the master shards are gathered)."""
         state = megatron_state_dict(self.model)
-        state.update({n: m.detach() for n, m in zip(self.param_names, self.master)})
+        masters = self.master if self.zero is None else self.zero.full_masters()
+        state.update({n: m.detach() for n, m in zip(self.param_names, masters)})
         return state
 
     def hf_state_dict(self, include_tied_lm_head: bool = True) -> dict[str, torch.Tensor]:
@@ -234,7 +246,17 @@ class PolicyTrainer:
         return megatron_to_hf(full, self.hf_config, include_tied_lm_head=include_tied_lm_head)
 
     def state(self) -> dict[str, int]:
-        return {"weight_version": self.weight_version}
+        return {"weight_version": self.weight_version, "optimizer_state_bytes": self.optimizer_state_bytes()}
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank (policy and critic): Adam's moments, and the fp32 masters where they
+        are separate from the model's weights (bf16 compute). Sharded over DP with the distributed optimizer."""
+        models = [self] + ([self.critic] if self.critic is not None else [])
+        return sum(
+            m.zero.state_bytes() if m.zero is not None
+            else state_bytes(m.optimizer, m.master if m.mixed_precision else [])
+            for m in models
+        )  # fmt: skip
 
     def write_weights(self, hf_dir: str | Path, root: str | Path, dtype: str | None = None) -> Path | None:
         """Publish the current weights as an HF model directory under `root` (see tasks/sync/disk.py).

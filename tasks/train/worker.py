@@ -78,7 +78,9 @@ def serve() -> None:
         if failure is not None:
             send(conn, ("error", failure))
             return
-        print(f"trainer group ready: {dist.get_world_size()} ranks, tensor parallel {trainer.tp_size}", flush=True)
+        layout = f"{dist.get_world_size()} ranks, tensor parallel {trainer.tp_size}"
+        layout += ", distributed optimizer" if trainer.zero is not None else ""
+        print(f"trainer group ready: {layout}", flush=True)
         send(conn, ("ok", {"world_size": dist.get_world_size()}))
         while True:
             msg = _broadcast(recv(conn))
