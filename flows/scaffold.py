@@ -86,7 +86,7 @@ def build_run_trainer(
 
 
 def close_trainer(trainer: PolicyTrainer | RemoteTrainer) -> None:
-    if isinstance(trainer, RemoteTrainer):  # an in-process trainer goes with the process
+    if hasattr(trainer, "close"):  # a torchrun group or Ray actors; an in-process trainer goes with the process
         trainer.close()
 
 

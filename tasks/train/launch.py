@@ -1,4 +1,5 @@
-"""From the run config to a trainer: in the flow's own process, or a torchrun group driven over a socket."""
+"""From the run config to a trainer: in the flow's own process, a torchrun group driven over a socket, or rank
+actors on a Ray cluster (--ray-address)."""
 
 from __future__ import annotations
 
@@ -36,9 +37,16 @@ def build_trainer(
         max_response_len=cfg.rollout.rollout_max_response_len,
         tensor_parallel=cfg.resources.tensor_model_parallel_size,
     )
-    if not uses_torchrun(cfg):
+    res = cfg.resources
+    if res.ray_address is None and not uses_torchrun(cfg):
         return PolicyTrainer(**kwargs)
     kwargs |= {"training": cfg.training.model_dump(), "algorithm": cfg.algorithm.model_dump()}
+    if res.ray_address is not None:  # rank actors on the cluster (tasks/train/ray_group.py)
+        from sluiceway.tasks.train.ray_group import RayTrainer, connect
+
+        connect(res.ray_address)
+        threads = res.num_threads or 1
+        return RayTrainer(kwargs, res.actor_num_nodes, res.actor_num_gpus_per_node, threads, res.device)
     nproc = cfg.resources.actor_num_gpus_per_node
     # Share the machine's cores among the ranks (the flow process itself mostly waits while they train).
     threads = max(1, (cfg.resources.num_threads or torch.get_num_threads()) // nproc)
