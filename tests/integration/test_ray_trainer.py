@@ -43,11 +43,11 @@ def cluster():
     c.shutdown()
 
 
-def _group_left_nothing(cpus: int = 2):
+def _group_left_nothing(cpus: int = 2, wait_s: float = 10):
     """Every placement group removed and every CPU of the worker nodes free again (no actor holds one)."""
     import time
 
-    for _ in range(100):  # removal is asynchronous
+    for _ in range(int(wait_s * 10)):  # removal is asynchronous
         pgs = [p for p in ray.util.placement_group_table().values() if p["state"] != "REMOVED"]
         free = ray.available_resources().get("CPU", 0)
         if not pgs and free == cpus:
@@ -164,3 +164,27 @@ def test_a_lost_node_fails_the_run_in_one_line_and_resume_finishes(tmp_path, thr
     table = read_trajectories(ObjectStore.from_uri(str(run_dir / "tables")), "run")
     keys = list(zip(*(table.column(k).to_pylist() for k in ("step", "group_id", "sample_index"))))
     assert len(keys) == len(set(keys)) == 4 * BATCH * N  # nothing lost, nothing duplicated
+
+
+def test_a_killed_run_leaves_nothing_on_the_cluster(tmp_path, three_nodes):
+    """SIGKILL of the flow's process mid-run: Ray removes its actors (trainer ranks, engines) and placement group."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from cli_run import cli_args
+
+    run_dir = tmp_path / "run"
+    args = cli_args(run_dir, "--ray-address", three_nodes.address, "--actor-num-nodes", "2", "--num-rollout", "50")
+    env = {**os.environ, "SLUICEWAY_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    meta = run_dir / "checkpoints" / "latest" / "meta.json"
+    deadline = time.monotonic() + 300
+    while not meta.exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    alive, pgs = _group_left_nothing(cpus=3, wait_s=60)
+    assert not alive and not pgs, (alive, pgs)
