@@ -147,6 +147,12 @@ class RolloutConfig(_Group):
         "embedded", description="What serves generation: sluiceway's embedded CPU engine, or SGLang servers (GPU)."
     )
     rollout_num_gpus_per_engine: int = Field(1, ge=1, description="SGLang: GPUs (tensor parallel size) per engine.")
+    rollout_num_gpus: int | None = Field(
+        None,
+        ge=1,
+        description="SGLang on a Ray cluster (--ray-address): GPUs for the engines in all, placed as "
+        "rollout_num_gpus / rollout_num_gpus_per_engine engine actors (default: rollout_num_engines engines).",
+    )
     sglang_server_args: list[str] | None = Field(
         None, description="Extra SGLang server flags; on the command line write --sglang-X VALUE for --X VALUE."
     )
@@ -267,14 +273,17 @@ class TrainingConfig(_Group):
     recompute_granularity: Literal["full", "selective"] | None = Field(
         None,
         description="Activation recompute (Megatron's): full recomputes whole transformer layers in backward, "
-        "selective only the attention core. Less activation memory for more compute.",
+        "selective only the attention core. Less activation memory for more compute (`sluiceway plan` shows how "
+        "much; docs/benchmarks.md measures it).",
     )
     recompute_method: Literal["uniform", "block"] | None = Field(
         None,
-        description="With --recompute-granularity full: uniform recomputes groups of recompute_num_layers "
-        "layers; block recomputes the first recompute_num_layers layers of each stage.",
+        description="With --recompute-granularity full (default uniform): uniform recomputes groups of "
+        "recompute_num_layers layers; block recomputes the first recompute_num_layers layers of each stage.",
     )
-    recompute_num_layers: int | None = Field(None, ge=1, description="Layers per recompute group or block.")
+    recompute_num_layers: int | None = Field(
+        None, ge=1, description="With --recompute-granularity full: layers per recompute group or block (default 1)."
+    )
     num_epoch: int | None = Field(
         None,
         ge=1,
@@ -523,6 +532,14 @@ class RunConfig(_Group):
             raise ValueError("actor_num_nodes > 1 places the trainer on several nodes: it needs ray_address")
         if res.ray_address is not None and res.trainer_launcher != "auto":
             raise ValueError("ray_address places the trainer ranks as Ray actors: leave trainer_launcher at auto")
+        r = self.rollout
+        if r.rollout_num_gpus is not None:
+            if res.ray_address is None or r.rollout_engine != "sglang":
+                raise ValueError("rollout_num_gpus places SGLang engines on a Ray cluster: it needs ray_address and "
+                                 "rollout_engine sglang (embedded engines: rollout_num_engines)")  # fmt: skip
+            if r.rollout_num_gpus % r.rollout_num_gpus_per_engine:
+                raise ValueError(f"rollout_num_gpus ({r.rollout_num_gpus}) must be a multiple of "
+                                 f"rollout_num_gpus_per_engine ({r.rollout_num_gpus_per_engine})")  # fmt: skip
 
     @model_validator(mode="after")
     def _check_invariants(self, info: ValidationInfo) -> RunConfig:

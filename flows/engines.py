@@ -70,16 +70,23 @@ class RolloutEngines:
 
         self.ray_engines = None
         local_engines, external = r.rollout_num_engines, list(r.rollout_external_engine_addrs or ())
-        if cfg.resources.ray_address is not None and r.rollout_engine == "embedded":
+        if cfg.resources.ray_address is not None:
             # Engines as Ray actors on the cluster's nodes, attached by their node addresses (infra/ray_engines.py).
-            from sluiceway.infra.ray_engines import RayEngines
+            from sluiceway.infra.ray_engines import RayEngines, embedded_command
             from sluiceway.tasks.train.ray_group import connect
 
             connect(cfg.resources.ray_address)
-            # Each asks the cluster for engine_num_threads CPUs (default 1), not this machine's cores.
-            cpus = r.engine_num_threads or 1
-            args = [*engine_args[: engine_args.index("--num-threads")], "--num-threads", str(cpus)]
-            self.ray_engines = RayEngines(r.rollout_num_engines, cpus, model_dir, args, log_dir)
+            if r.rollout_engine == "sglang":
+                tp = r.rollout_num_gpus_per_engine
+                count = (r.rollout_num_gpus or tp * r.rollout_num_engines) // tp
+                command = functools.partial(_sglang_on_node, str(model_dir), tp, cfg)
+                resources = {"GPU": tp, "CPU": 1}
+            else:  # each asks the cluster for engine_num_threads CPUs (default 1), not this machine's cores
+                cpus = r.engine_num_threads or 1
+                args = [*engine_args[: engine_args.index("--num-threads")], "--num-threads", str(cpus)]
+                count, resources = r.rollout_num_engines, {"CPU": cpus}
+                command = functools.partial(embedded_command, str(model_dir), args)
+            self.ray_engines = RayEngines(count, resources, command, log_dir)
             local_engines, external = 0, external + self.ray_engines.urls
         self.router = SGLangRouter(log_dir).start()
         try:
@@ -171,6 +178,12 @@ class RolloutEngines:
             self.router.close()
             if self.ray_engines is not None:
                 self.ray_engines.close()
+
+
+def _sglang_on_node(model_dir: str, tp: int, cfg: RunConfig, host: str, port: int) -> list[str]:
+    """An SGLang server on a Ray node: the actor's GPUs are its CUDA_VISIBLE_DEVICES."""
+    return sglang_server_command(model_dir, host, port, tp_size=tp, dtype="bfloat16" if cfg.training.bf16 else "auto",
+                                 seed=cfg.training.seed, extra_args=cfg.rollout.sglang_server_args or [])  # fmt: skip
 
 
 def reported_version(wstore: WeightStore, name: str) -> int | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from sluiceway.infra.proc import child_env, die_with_parent
@@ -23,15 +24,15 @@ class EngineActor:
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
 
-    def start(self, model_dir: str, engine_args: list[str], log_path: str) -> str:
+    def start(self, command: Callable[[str, int], list[str]], log_path: str) -> str:
+        """Start `command(host, port)` on this node (Ray set CUDA_VISIBLE_DEVICES to the actor's GPUs)."""
         import ray
 
         host = ray.util.get_node_ip_address()
         with socket.socket() as probe:  # a free port on this node (the engine binds it itself)
             probe.bind((host, 0))
             port = probe.getsockname()[1]
-        cmd = [sys.executable, "-m", "sluiceway.flows.cli", "engine", "--model", model_dir, "--host", host,
-               "--port", str(port), *engine_args]  # fmt: skip
+        cmd = command(host, port)
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -47,27 +48,38 @@ class EngineActor:
                 self.proc.kill()
 
 
+def embedded_command(model_dir: str, engine_args: list[str], host: str, port: int) -> list[str]:
+    return [sys.executable, "-m", "sluiceway.flows.cli", "engine", "--model", model_dir, "--host", host,
+            "--port", str(port), *engine_args]  # fmt: skip
+
+
 class RayEngines:
-    """`count` engine actors of `cpus` CPUs each, spread over the cluster's nodes where room allows."""
+    """`count` engine actors, each holding `resources` ({"CPU": n} for an embedded engine, {"GPU": tp, "CPU": 1}
+    for SGLang), spread over the cluster's nodes where room allows; `command(host, port)` starts one."""
 
     def __init__(
-        self, count: int, cpus: int, model_dir: Path, engine_args: list[str], log_dir: Path, timeout_s: float = 300
+        self,
+        count: int,
+        resources: dict[str, float],
+        command: Callable[[str, int], list[str]],
+        log_dir: Path,
+        timeout_s: float = 300,
     ):
         import ray
         from ray.exceptions import GetTimeoutError
 
         cls = ray.remote(EngineActor)
-        self.actors = [cls.options(num_cpus=cpus, max_restarts=0, scheduling_strategy="SPREAD").remote()
-                       for _ in range(count)]  # fmt: skip
+        opts = {"num_cpus": resources.get("CPU", 1), "num_gpus": resources.get("GPU", 0), "max_restarts": 0}
+        self.actors = [cls.options(scheduling_strategy="SPREAD", **opts).remote() for _ in range(count)]
         try:
-            refs = [a.start.remote(str(model_dir), list(engine_args), str(log_dir / f"ray-engine-{i}.log"))
-                    for i, a in enumerate(self.actors)]  # fmt: skip
+            refs = [a.start.remote(command, str(log_dir / f"ray-engine-{i}.log")) for i, a in enumerate(self.actors)]
             self.urls = ray.get(refs, timeout=timeout_s)
         except GetTimeoutError:
             self.close()
             raise RuntimeError(
-                f"the Ray cluster found no room for {count} engine(s) of {cpus} CPU(s) within {timeout_s:.0f} s "
-                f"(free: {ray.available_resources()}); set --engine-num-threads or --rollout-num-engines"
+                f"the Ray cluster found no room for {count} engine(s) of {resources} within {timeout_s:.0f} s "
+                f"(free: {ray.available_resources()}); change --rollout-num-engines / --engine-num-threads, or "
+                f"--rollout-num-gpus / --rollout-num-gpus-per-engine"
             ) from None
         except BaseException:
             self.close()
