@@ -18,11 +18,10 @@ import os
 import signal
 import socket
 import traceback
-from pathlib import Path
 from typing import Any
 
 from sluiceway.infra.errors import UserError
-from sluiceway.tasks.train.remote import TrainerGroupError
+from sluiceway.tasks.train.remote import TrainerGroup, TrainerGroupError
 
 
 class TrainerRank:
@@ -116,7 +115,7 @@ def connect(address: str) -> None:
         signal.signal(signal.SIGTERM, handler)
 
 
-class RayTrainer:
+class RayTrainer(TrainerGroup):
     def __init__(
         self,
         init_kwargs: dict[str, Any],
@@ -191,34 +190,6 @@ class RayTrainer:
             if status == "error":
                 raise TrainerGroupError(f"trainer rank {r} on {self._where(r)}: {value}")
         return results[0][1]
-
-    # PolicyTrainer's interface ------------------------------------------------------------------------------
-    def train_rollout(self, samples: list, step: int) -> dict[str, float]:
-        metrics = self._call("train_rollout", samples, step)
-        self._refresh()
-        return metrics
-
-    def train_sft(self, samples: list, step: int) -> dict[str, float]:
-        metrics = self._call("train_sft", samples, step)
-        self._refresh()
-        return metrics
-
-    def gradients(self, samples: list, step: int):
-        return self._call("gradients", samples, step)
-
-    def save(self, path: str | Path, step: int) -> None:
-        self._call("save", str(path), step)
-
-    def load(self, path: str | Path) -> int:
-        step = self._call("load", str(path))
-        self._refresh()
-        return step
-
-    def write_weights(self, hf_dir: str | Path, root: str | Path, dtype: str | None = None) -> Path:
-        return Path(self._call("write_weights", str(hf_dir), str(root), dtype))
-
-    def _refresh(self) -> None:
-        self.weight_version = self._call("state")["weight_version"]
 
     def close(self) -> None:
         """Remove the rank actors and the placement group (nothing of the run stays on the cluster)."""

@@ -25,7 +25,48 @@ class TrainerGroupError(RuntimeError):
     """The trainer process group failed; the message carries the remote error or the tail of its log."""
 
 
-class RemoteTrainer:
+class TrainerGroup:
+    """PolicyTrainer's interface for a trainer that runs elsewhere: every method is `_call(name, ...)`, which a
+    subclass implements (a socket to a torchrun group's rank 0, or calls on Ray rank actors)."""
+
+    weight_version: int
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def train_rollout(self, samples: list, step: int) -> dict[str, float]:
+        metrics = self._call("train_rollout", samples, step)
+        self._refresh()
+        return metrics
+
+    def train_sft(self, samples: list, step: int) -> dict[str, float]:
+        metrics = self._call("train_sft", samples, step)
+        self._refresh()
+        return metrics
+
+    def gradients(self, samples: list, step: int):
+        return self._call("gradients", samples, step)
+
+    def save(self, path: str | Path, step: int) -> None:
+        self._call("save", str(path), step)
+
+    def load(self, path: str | Path) -> int:
+        step = self._call("load", str(path))
+        self._refresh()
+        return step
+
+    def write_weights(self, hf_dir: str | Path, root: str | Path, dtype: str | None = None) -> Path:
+        return Path(self._call("write_weights", str(hf_dir), str(root), dtype))
+
+    def state(self) -> dict[str, int]:
+        """Rank 0's PolicyTrainer.state()."""
+        return self._call("state")
+
+    def _refresh(self) -> None:
+        self.weight_version = self.state()["weight_version"]
+
+
+class RemoteTrainer(TrainerGroup):
     def __init__(
         self,
         init_kwargs: dict[str, Any],
@@ -110,38 +151,6 @@ class RemoteTrainer:
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         send(self.conn, ("call", method, args, kwargs))
         return self._reply()
-
-    # PolicyTrainer's interface ------------------------------------------------------------------------------
-    def train_rollout(self, samples: list, step: int) -> dict[str, float]:
-        metrics = self._call("train_rollout", samples, step)
-        self._refresh()
-        return metrics
-
-    def train_sft(self, samples: list, step: int) -> dict[str, float]:
-        metrics = self._call("train_sft", samples, step)
-        self._refresh()
-        return metrics
-
-    def gradients(self, samples: list, step: int):
-        return self._call("gradients", samples, step)
-
-    def save(self, path: str | Path, step: int) -> None:
-        self._call("save", str(path), step)
-
-    def load(self, path: str | Path) -> int:
-        step = self._call("load", str(path))
-        self._refresh()
-        return step
-
-    def write_weights(self, hf_dir: str | Path, root: str | Path, dtype: str | None = None) -> Path:
-        return Path(self._call("write_weights", str(hf_dir), str(root), dtype))
-
-    def state(self) -> dict[str, int]:
-        """Rank 0's PolicyTrainer.state()."""
-        return self._call("state")
-
-    def _refresh(self) -> None:
-        self.weight_version = self.state()["weight_version"]
 
     def close(self) -> None:
         """Stop the group: politely over the control channel, then by signal if it does not exit."""
