@@ -37,14 +37,21 @@ def stored_run(s3_server, uri: str, run_id: str) -> tuple[int, list[int]]:
     return len(keys), list(metrics_frame(store, run_id)["train/loss"].dropna().index)
 
 
-def test_object_store_down_for_20_s(tmp_path, proxied, s3_server):
+def down_after_a_checkpoint(tmp_path, proxied, s3_server, retries: str, backoff_s: str):
+    """A run with its tables and checkpoints behind the proxy, which goes down once a checkpoint is written."""
     proxy, env = proxied
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
     uri = f"s3://{s3_server.bucket}/outage-{uuid.uuid4().hex[:8]}"
-    args = run_args(run_dir, "--storage-uri", uri, "--stage-retries", "5", "--retry-backoff-s", "2")
+    args = run_args(run_dir, "--storage-uri", uri, "--stage-retries", retries, "--retry-backoff-s", backoff_s)
     proc = start(args, cache, f"fault-{uuid.uuid4().hex}", env)
     wait_for(lambda: checkpoint_step(run_dir) is not None, proc, "a checkpoint")
     proxy.down()
+    return proc, run_dir, cache, uri
+
+
+def test_object_store_down_for_20_s(tmp_path, proxied, s3_server):
+    proxy, _ = proxied
+    proc, _, _, uri = down_after_a_checkpoint(tmp_path, proxied, s3_server, retries="5", backoff_s="2")
     time.sleep(20)
     proxy.up()
     out = proc.communicate(timeout=600)[0]
@@ -54,12 +61,7 @@ def test_object_store_down_for_20_s(tmp_path, proxied, s3_server):
 
 def test_object_store_down_for_good_then_resume(tmp_path, proxied, s3_server):
     proxy, env = proxied
-    run_dir, cache = tmp_path / "run", tmp_path / "cache"
-    uri = f"s3://{s3_server.bucket}/down-{uuid.uuid4().hex[:8]}"
-    args = run_args(run_dir, "--storage-uri", uri, "--stage-retries", "1", "--retry-backoff-s", "1")
-    proc = start(args, cache, f"fault-{uuid.uuid4().hex}", env)
-    wait_for(lambda: checkpoint_step(run_dir) is not None, proc, "a checkpoint")
-    proxy.down()
+    proc, run_dir, cache, uri = down_after_a_checkpoint(tmp_path, proxied, s3_server, retries="1", backoff_s="1")
     out = proc.communicate(timeout=600)[0]
     assert proc.returncode == 1, out
     errors = [ln for ln in out.splitlines() if ln.startswith("error: ")]
