@@ -7,6 +7,8 @@
     sluiceway eval [CONFIG.yaml] --hf-checkpoint M --eval-prompt-data ...   evaluate a model, no training
     sluiceway resume RUN_DIR_OR_ID                   run a failed or killed run again from where it stopped
     sluiceway config [CONFIG.yaml] [flags]           print the resolved config as YAML
+    sluiceway plan [CONFIG.yaml] [flags] [--available-gib N]   memory per trainer rank and engine for the layout
+                                                     (flows/plan.py); exit status 1 if it cannot fit
     sluiceway models                                 list the model zoo
     sluiceway engine --model NAME_OR_DIR [--port N]  serve the embedded engine (SGLang's HTTP API)
     sluiceway server [--port 4200]                   a Prefect server and its UI on loopback
@@ -85,9 +87,17 @@ def make_parser() -> argparse.ArgumentParser:
         ("replay", "train on a stored run's trajectories at a table version, with no engine running"),
         ("eval", "evaluate a model (zoo name, HF directory, or a run's weights) on the eval sets"),
         ("config", "print the resolved config as YAML"),
+        ("plan", "memory per trainer rank and engine of the layout: weights, grads, optimizer, activations, KV"),
     ):
         p = sub.add_parser(cmd, help=help_)
         p.add_argument("config_file", nargs="?", help="YAML run config (flags override it)")
+        if cmd == "plan":
+            p.add_argument(
+                "--available-gib",
+                type=float,
+                default=None,
+                help="plan against this much memory (per GPU with --device cuda) instead of what is here",
+            )
         _add_field_arguments(p)
     res = sub.add_parser("resume", help="run a failed or killed run again from its first unfinished stage")
     res.add_argument("run", help="the run's output directory, or its run id (looked up under --runs-root)")
@@ -147,7 +157,7 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
         in_yaml = isinstance(base.get(group), dict) and field in base[group]
         if (group, field) not in overrides and not in_yaml:
             overrides[(group, field)] = value
-    checked = command if command in ("replay", "eval") else "run"  # whose invariants apply
+    checked = command if command in ("replay", "eval", "plan") else "run"  # whose invariants apply
     return build_config(base, overrides, source=args.config_file or "flags", command=checked)
 
 
@@ -232,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "sft":
             vars(args).setdefault("algorithm.loss_type", "sft_loss")  # what makes the config an SFT one
         cfg = resolve_config(args)
+        if args.command == "plan":
+            from sluiceway.flows.plan import print_plan
+
+            return print_plan(cfg, args.available_gib)
         if args.command == "config":
             print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
             return 0

@@ -1,4 +1,5 @@
-"""Mistakes in the files a config names, found before any engine, router or Prefect server starts.
+"""Mistakes in the files a config names, and layouts that cannot fit in memory, found before any engine,
+router or Prefect server starts.
 
 A run starts its engines and Prefect's server early so they load while the flow's imports run (flows/run.py);
 a missing or malformed data file found after that costs the user 25-50 s and leaves processes to stop. The
@@ -85,7 +86,7 @@ def engine_max_total_len(cfg: RunConfig) -> int:
     return r.rollout_max_prompt_len + max(r.rollout_max_response_len, cfg.eval.eval_max_response_len or 0)
 
 
-def _model_config(name_or_dir: str) -> dict | None:
+def model_config(name_or_dir: str) -> dict | None:
     """The HF config.json of --hf-checkpoint (a zoo name is resolved, and built once, as the run would a moment
     later); None where there is none to read: the loader reports that itself."""
     p = Path(name_or_dir).expanduser()
@@ -157,6 +158,20 @@ def preflight(cfg: RunConfig, command: str) -> None:
     check_plugin_file(cfg.reward.custom_rm_path, "--custom-rm-path")
     check_plugin_file(cfg.rollout.custom_generate_function_path, "--custom-generate-function-path")
     check_plugin_file(cfg.rollout.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
-    hf = _model_config(cfg.training.hf_checkpoint)  # last: a zoo name imports torch
+    hf = model_config(cfg.training.hf_checkpoint)  # last: a zoo name imports torch
     if hf is not None and command in ("run", "eval"):  # the commands that start engines
         check_lengths(cfg, hf)
+    if hf is not None:
+        check_memory(cfg, hf, command)
+
+
+def check_memory(cfg: RunConfig, hf: dict, command: str) -> None:
+    """The memory plan (flows/plan.py) of the trainer ranks and embedded engines must fit the memory there is:
+    a layout that cannot is one line with the numbers. A config.json the plan cannot read is left to the loader."""
+    from sluiceway.flows.plan import ModelShape, check_fits
+
+    try:
+        ModelShape.from_hf(hf, cfg.training.hf_checkpoint).check_tp(cfg.resources.tensor_model_parallel_size)
+    except UserError:
+        return
+    check_fits(cfg, hf, command)

@@ -8,6 +8,13 @@ Data parallelism on CPU: megatron's `DistributedDataParallel` (and its optimizer
 allocate their contiguous grad buffers with `device=torch.cuda.current_device()` and overlap the reduction on
 CUDA streams, so they cannot run without a GPU. On CPU use `allreduce_gradients` (below) after `backward()`, or
 torch's own DDP over `parallel_state.get_data_parallel_group()`; both reduce over gloo.
+
+Activation recompute (Megatron's --recompute-granularity/-method/-num-layers, `recompute_overrides`) is
+megatron's own: TransformerBlock's full recompute and Attention's selective (core attention) recompute both go
+through `tensor_parallel.checkpoint`, whose RNG bookkeeping saves and restores the CUDA generator's state with
+`torch.cuda` calls that fail without CUDA ("Torch not compiled with CUDA enabled"). On CPU `init_parallel_state`
+swaps megatron's two RNG-state helpers for ones that keep the CPU generator and the tracker states only (the
+CPU path's dropout draws from the CPU generator), so the same checkpoint function replays the forward exactly.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ __all__ = [
     "cpu_layer_spec",
     "gpt_logits",
     "init_parallel_state",
+    "recompute_overrides",
     "rope_theta_from_hf",
     "token_logprobs",
     "token_logprobs_and_entropy",
@@ -116,6 +124,22 @@ def _seed_rng_tracker(seed: int, cuda: bool) -> None:
     if not mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED:
         mcore_random.initialize_rng_tracker(inference_rng_tracker=True)
         torch.manual_seed(seed + parallel_state.get_tensor_model_parallel_rank())
+    if not torch.cuda.is_available():
+        # Activation recompute's checkpoint function saves the RNG states before a forward and restores them to
+        # replay it; megatron's helpers include the CUDA generator's. Without CUDA: the CPU generator and the
+        # tracker's states (empty with the inference tracker) are the whole RNG state.
+        mcore_random._get_all_rng_states = _cpu_rng_states
+        mcore_random._set_all_rng_states = _set_cpu_rng_states
+
+
+def _cpu_rng_states() -> tuple[Tensor, None, dict]:
+    """megatron's `_get_all_rng_states` for a machine without CUDA: (CPU state, no CUDA state, tracker states)."""
+    return torch.get_rng_state(), None, mcore_random.get_cuda_rng_tracker().get_states()
+
+
+def _set_cpu_rng_states(cpu_state: Tensor, _cuda_state: None, tracker_states: dict) -> None:
+    torch.set_rng_state(cpu_state)
+    mcore_random.get_cuda_rng_tracker().set_states(tracker_states)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -167,6 +191,33 @@ def _qkv_bias(hf_config: Any) -> bool:
 def _qk_layernorm(hf_config: Any) -> bool:
     """Qwen3 RMS-normalises every q and k head (`q_norm`, `k_norm`, weight [head_dim]) before RoPE."""
     return getattr(hf_config, "model_type", "") == "qwen3"
+
+
+def recompute_overrides(training: Any) -> dict[str, Any]:
+    """TransformerConfig fields for Megatron's activation-recompute flags, from anything with
+    `recompute_granularity`, `recompute_method` and `recompute_num_layers` (the run's TrainingConfig).
+
+    full recomputes whole transformer layers in backward, keeping only the input of each recomputed group:
+    `uniform` splits the layers into groups of `recompute_num_layers`, `block` recomputes the first
+    `recompute_num_layers` layers and keeps the rest's activations. Megatron needs both with full; here they
+    default to uniform and 1 (every layer recomputed, each keeping only its input). selective recomputes the
+    core attention only (megatron's default `recompute_modules`, ["core_attn"]) and takes neither.
+    """
+    granularity = getattr(training, "recompute_granularity", None)
+    method = getattr(training, "recompute_method", None)
+    num_layers = getattr(training, "recompute_num_layers", None)
+    if granularity is None:
+        if method is not None or num_layers is not None:
+            raise ValueError("recompute_method and recompute_num_layers need recompute_granularity full")
+        return {}
+    if granularity == "selective":
+        if method is not None or num_layers is not None:
+            raise ValueError("recompute_granularity selective takes no recompute_method or recompute_num_layers")
+        return {"recompute_granularity": "selective"}
+    if granularity != "full":
+        raise ValueError(f"recompute_granularity {granularity!r}: expected full or selective")
+    return {"recompute_granularity": "full", "recompute_method": method or "uniform",
+            "recompute_num_layers": num_layers or 1}  # fmt: skip
 
 
 def transformer_config_from_hf(
@@ -230,6 +281,8 @@ def transformer_config_from_hf(
     with warnings.catch_warnings():
         # 0.16.1's default cuda_graph_scope trips its own deprecation warning; CUDA graphs are unused here.
         warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
+        # Selective recompute warns that Transformer Engine's fused attention would not need it; ours is SDPA.
+        warnings.filterwarnings("ignore", message="If you are using transformer_engine", category=UserWarning)
         return TransformerConfig(**kwargs)
 
 

@@ -48,9 +48,11 @@ def build_value_model(
     head: Tensor,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    **config_overrides: Any,
 ) -> torch.nn.Module:
-    """GPTModel with the HF weights (this rank's TP shard) and `head` ([1, hidden], fp32) as its output layer."""
-    model = build_gpt_model(hf_config, dtype=dtype, device=device)
+    """GPTModel with the HF weights (this rank's TP shard) and `head` ([1, hidden], fp32) as its output layer.
+    `config_overrides`: TransformerConfig fields, as `build_gpt_model` takes (recompute: `recompute_overrides`)."""
+    model = build_gpt_model(hf_config, dtype=dtype, device=device, **config_overrides)
     if model.config.sequence_parallel:
         raise ValueError("the value head does not support sequence parallelism")
     load_hf_weights(model, hf_state, hf_config)
