@@ -36,12 +36,6 @@ class _Group(BaseModel):
         return value
 
 
-# Settings accepted by the schema whose implementation has not landed: setting one is an error (issue 21).
-NOT_YET_AVAILABLE = {
-    "recompute_granularity", "recompute_method", "recompute_num_layers",
-}  # fmt: skip
-
-
 class ResourcesConfig(_Group):
     device: Literal["cpu", "cuda"] = Field(
         "cpu", description="Where the trainer runs (embedded engines run on the CPU)."
@@ -514,19 +508,8 @@ class RunConfig(_Group):
             return [("eval", items[0])]
         return list(zip(items[0::2], items[1::2]))
 
-    def _check_not_yet_available(self) -> None:
-        """Settings issue 21 adds, refused until the code behind each lands (never silently ignored)."""
-        pending = {
-            "ray_address": self.resources.ray_address is not None,
-            "actor_num_nodes": self.resources.actor_num_nodes != 1,
-            "use_distributed_optimizer": self.training.use_distributed_optimizer,
-            "recompute_granularity": self.training.recompute_granularity is not None,
-            "recompute_method": self.training.recompute_method is not None,
-            "recompute_num_layers": self.training.recompute_num_layers is not None,
-        }
-        for name, given in pending.items():
-            if given and name in NOT_YET_AVAILABLE:
-                raise ValueError(f"{name} is not available yet in this version")
+    def _check_placement(self) -> None:
+        """Where the trainer ranks and the engines go: a layout that cannot be placed is refused."""
         res = self.resources
         if res.actor_num_nodes > 1 and res.ray_address is None:
             raise ValueError("actor_num_nodes > 1 places the trainer on several nodes: it needs ray_address")
@@ -547,12 +530,10 @@ class RunConfig(_Group):
             return self  # one source's own values (build_config): the invariants are checked on the merge
         r, t = self.rollout, self.training
         # Which command the config is for (validation context, see validate_for): replay trains from a stored
-        # table and eval only samples, so neither needs prompt_data; plan only sizes a layout (any settings,
-        # landed or not, and no data).
+        # table and eval only samples, so neither needs prompt_data; plan only sizes a layout (no data).
         command = (info.context or {}).get("command", self.invariants_of)
         self._check_recompute()
-        if command != "plan":
-            self._check_not_yet_available()
+        self._check_placement()
         if self.algorithm.loss_type == "sft_loss":
             return self._check_sft_invariants()  # the rollout and reward settings play no part in SFT
         rp = self.replay

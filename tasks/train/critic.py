@@ -25,7 +25,7 @@ from megatron.core import parallel_state
 
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
 from sluiceway.models.hf_megatron import hf_to_megatron
-from sluiceway.models.megatron_gpt import allreduce_gradients
+from sluiceway.models.megatron_gpt import allreduce_gradients, recompute_overrides
 from sluiceway.models.value_model import build_value_model, init_value_head, token_values
 from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS, gae, reinforce_pp_returns, terminal_rewards
 from sluiceway.tasks.train.losses import kl_penalty, value_objective
@@ -190,7 +190,8 @@ class Critic:
         self.training, self.algorithm = training, algorithm
         dtype = torch.bfloat16 if training.bf16 else torch.float32
         head = init_value_head(hf_config.hidden_size, training.seed)
-        self.model = build_value_model(hf_config, hf_state, head, dtype=dtype, device=device)
+        overrides = recompute_overrides(training)
+        self.model = build_value_model(hf_config, hf_state, head, dtype=dtype, device=device, **overrides)
         self.param_names = [n for n, _ in self.model.named_parameters()]
         params = [p for _, p in self.model.named_parameters()]
         self.mixed_precision = training.bf16

@@ -13,6 +13,7 @@ LR schedule in lr_schedule.py, the checkpoint directory format in checkpoint.py,
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from pathlib import Path
@@ -34,6 +35,7 @@ from sluiceway.models.megatron_gpt import (  # megatron.core through here: it si
     init_parallel_state,
     logprobs_at,
     parallel_state,
+    recompute_overrides,
     token_logprobs_and_entropy,
 )
 from sluiceway.models.zoo import load_hf_state_dict
@@ -49,6 +51,8 @@ from sluiceway.tasks.train.micro_batches import plan_micro_batches, shard_for_ra
 from sluiceway.tasks.train.optim import adamw, step_master_weights
 from sluiceway.tasks.train.parallel import gather_tensor_parallel, is_tensor_parallel, reduce_step_metrics
 from sluiceway.tasks.train.zero import ShardedAdamW, state_bytes
+
+log = logging.getLogger("sluiceway")
 
 
 class PolicyTrainer:
@@ -78,7 +82,11 @@ class PolicyTrainer:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         torch.manual_seed(training.seed)
         dtype = torch.bfloat16 if training.bf16 else torch.float32
-        self.model = build_gpt_model(self.hf_config, dtype=dtype, device=self.device)
+        # Activation recompute trades compute for memory in training only (the reference model has no backward).
+        recompute = recompute_overrides(training)
+        self.model = build_gpt_model(self.hf_config, dtype=dtype, device=self.device, **recompute)
+        if recompute:
+            log.info("activation recompute: %s", ", ".join(f"{k} {v}" for k, v in sorted(recompute.items())))
         hf_state = load_hf_state_dict(hf_dir)
         load_hf_weights(self.model, hf_state, self.hf_config)
         self.mixed_precision = training.bf16

@@ -12,7 +12,7 @@ import pytest
 from paths import ROOT
 
 from sluiceway.flows.cli import main, make_parser, resolve_config
-from sluiceway.flows.config import NOT_YET_AVAILABLE, validate_for
+from sluiceway.flows.config import validate_for
 from sluiceway.flows.plan import (
     FULL_RECOMPUTE,
     GIB,
@@ -174,14 +174,10 @@ def test_activation_formula_matches_what_autograd_keeps():
                     assert planned == pytest.approx(measured, rel=0.02), (name, dtype, str(rc), masked)
 
 
-def test_plan_takes_any_setting_the_run_may_not_yet():
+def test_plan_takes_the_memory_settings():
     argv = ["--hf-checkpoint", "tiny-llama", "--recompute-granularity", "full", "--use-distributed-optimizer"]
     cfg = cfg_from(["plan", *argv])
     assert cfg.training.recompute_granularity == "full"
-    for name in ("recompute_granularity", "use_distributed_optimizer"):
-        if name in NOT_YET_AVAILABLE:
-            with pytest.raises(UserError, match=f"{name} is not available yet"):
-                cfg_from(["run", "--prompt-data", "env:arithmetic", *argv])
     with pytest.raises(UserError, match="recompute_method need recompute_granularity full"):
         cfg_from(["plan", "--recompute-method", "block"])
     with pytest.raises(UserError, match=r"recompute_num_layers need .*selective given"):

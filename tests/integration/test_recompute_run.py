@@ -1,0 +1,20 @@
+"""`sluiceway run --recompute-granularity full`: the same run as without recompute, bit for bit (recompute
+replays the forward in backward with the same RNG state; tests/unit/models/test_recompute.py checks gradients)."""
+
+import torch
+from cli_run import run_cli
+
+
+def final_weights(run_dir):
+    return torch.load(run_dir / "checkpoints" / "latest" / "tp0.pt", map_location="cpu", weights_only=False)["model"]
+
+
+def test_a_run_with_full_recompute_trains_the_same_weights(tmp_path):
+    cache = tmp_path / "cache"
+    run_cli(tmp_path / "plain", cache, "--num-rollout", "2")
+    run_cli(tmp_path / "recompute", cache, "--num-rollout", "2", "--recompute-granularity", "full")
+    assert "activation recompute: recompute_granularity full" in (tmp_path / "recompute" / "sluiceway.log").read_text()
+    plain, recompute = final_weights(tmp_path / "plain"), final_weights(tmp_path / "recompute")
+    assert plain.keys() == recompute.keys()
+    for name, tensor in plain.items():
+        assert torch.equal(tensor, recompute[name]), name
