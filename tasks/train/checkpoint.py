@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sluiceway.storage.checkpoints import file_digests
+from sluiceway.tasks.train.zero import restore_optimizer
 
 if TYPE_CHECKING:
     from sluiceway.tasks.train.trainer import PolicyTrainer
@@ -82,15 +83,7 @@ def load_checkpoint(trainer: PolicyTrainer, path: str | Path) -> int:
         raise RuntimeError(
             f"{path}: checkpoint does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
-    masters = [state["model"][n] for n in trainer.param_names]
-    if trainer.zero is not None:
-        trainer.zero.load_masters(masters)
-        trainer.zero.load_state_dict(state["optimizer"])
-    else:
-        with torch.no_grad():
-            for m, v in zip(trainer.master, masters):
-                m.copy_(v)
-        trainer.optimizer.load_state_dict(state["optimizer"])
+    restore_optimizer(trainer, [state["model"][n] for n in trainer.param_names], state["optimizer"])
     trainer.scheduler.load_state_dict(state["scheduler"])
     if trainer.critic is not None:
         if state.get("critic") is None:

@@ -31,7 +31,7 @@ from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS, gae, reinfo
 from sluiceway.tasks.train.losses import kl_penalty, value_objective
 from sluiceway.tasks.train.optim import adamw, step_master_weights
 from sluiceway.tasks.train.parallel import is_tensor_parallel, reduce_step_metrics
-from sluiceway.tasks.train.zero import ShardedAdamW
+from sluiceway.tasks.train.zero import ShardedAdamW, restore_optimizer
 
 if TYPE_CHECKING:
     from sluiceway.tasks.train.collation import MicroBatch
@@ -271,13 +271,6 @@ class Critic:
         with torch.no_grad():
             for p, v in zip(self.model.parameters(), values):
                 p.copy_(v)
-        if self.zero is not None:
-            self.zero.load_masters(values)
-            self.zero.load_state_dict(state["optimizer"])
-        else:
-            with torch.no_grad():
-                for m, v in zip(self.master, values):
-                    m.copy_(v)
-            self.optimizer.load_state_dict(state["optimizer"])
+        restore_optimizer(self, values, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.rollouts_trained = state["rollouts_trained"]

@@ -184,3 +184,16 @@ def state_bytes(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor]) -
     weights where they are not the model's own parameters."""
     tensors = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)] + list(masters)
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def restore_optimizer(owner: Any, masters: list[torch.Tensor], optimizer_state: dict) -> None:
+    """Load a checkpoint's full fp32 masters and optimizer state into `owner` (the policy trainer or the critic:
+    `.zero`, or `.master` and `.optimizer`); a sharded owner keeps only its slice."""
+    if owner.zero is not None:
+        owner.zero.load_masters(masters)
+        owner.zero.load_state_dict(optimizer_state)
+        return
+    with torch.no_grad():
+        for m, v in zip(owner.master, masters):
+            m.copy_(v)
+    owner.optimizer.load_state_dict(optimizer_state)
