@@ -203,16 +203,33 @@ class RewardConfig(_Group):
 
 class AlgorithmConfig(_Group):
     advantage_estimator: Literal[
-        "grpo", "dr_grpo", "gspo", "reinforce_plus_plus_baseline", "ppo", "reinforce_plus_plus"
+        "grpo", "dr_grpo", "gspo", "rloo", "reinforce_plus_plus_baseline", "ppo", "reinforce_plus_plus"
     ] = Field(
         "grpo",
         description="How rewards become per-token advantages. Per sample, broadcast over the response: grpo, "
-        "dr_grpo, gspo, reinforce_plus_plus_baseline. Per token, whitened over the batch's response tokens: ppo "
+        "dr_grpo, gspo, rloo (leave-one-out baseline: r_i - mean of the group's other rewards), "
+        "reinforce_plus_plus_baseline. Per token, whitened over the batch's response tokens: ppo "
         "(GAE with a critic) and reinforce_plus_plus (discounted KL-shaped returns, no critic).",
     )
-    normalize_advantages_by_std: bool = Field(True, description="GRPO: divide by the group's reward std.")
-    eps_clip: float = Field(0.2, gt=0.0, description="PPO clip range (lower).")
-    eps_clip_high: float | None = Field(None, gt=0.0, description="PPO clip range (upper); default eps_clip.")
+    normalize_advantages_by_std: bool = Field(
+        True, description="GRPO: divide by the group's reward std (grpo and gspo only; rloo never divides)."
+    )
+    policy_loss: Literal["ppo_clip", "cispo", "sapo"] = Field(
+        "ppo_clip",
+        description="The policy-gradient surrogate. ppo_clip: PPO's clipped ratio (GSPO's sequence ratio with "
+        "advantage_estimator gspo); cispo (MiniMax-M1): -sg[clip(ratio, 1 - eps_clip, 1 + eps_clip_high)] x A x "
+        "logprob, the clipped weight carries no gradient (eps_clip >= 1: no lower bound, the paper's setting); "
+        "sapo (soft adaptive policy optimization): -A x (4/tau) x sigmoid(tau x (ratio - 1)), a smooth gate "
+        "instead of the clip, tau = sapo_tau_pos where A > 0, sapo_tau_neg elsewhere.",
+    )
+    sapo_tau_pos: float = Field(1.0, gt=0.0, description="sapo: gate temperature for positive advantages.")
+    sapo_tau_neg: float = Field(
+        1.05, gt=0.0, description="sapo: gate temperature for negative advantages (larger: a narrower gate)."
+    )
+    eps_clip: float = Field(0.2, gt=0.0, description="PPO clip range (lower); cispo: the IS weight's lower clip.")
+    eps_clip_high: float | None = Field(
+        None, gt=0.0, description="PPO clip range (upper); cispo: the IS weight's upper clip; default eps_clip."
+    )
     eps_clip_c: float | None = Field(
         None,
         gt=1.0,
@@ -558,9 +575,11 @@ class RunConfig(_Group):
                 f"global_batch_size ({t.global_batch_size}) must be a multiple of micro_batch_size"
                 f" ({t.micro_batch_size})"
             )
-        if self.algorithm.advantage_estimator in ("grpo", "dr_grpo", "gspo") and r.n_samples_per_prompt < 2:
+        if self.algorithm.advantage_estimator in ("grpo", "dr_grpo", "gspo", "rloo") and r.n_samples_per_prompt < 2:
             raise ValueError("GRPO needs n_samples_per_prompt >= 2 (advantages are relative to the group)")
         a = self.algorithm
+        if a.policy_loss != "ppo_clip" and (a.advantage_estimator == "gspo" or a.eps_clip_c is not None):
+            raise ValueError(f"policy_loss {a.policy_loss} replaces the PPO clip: gspo and eps_clip_c need ppo_clip")
         token_level = a.advantage_estimator in ("ppo", "reinforce_plus_plus")
         if a.kl_coef > 0 and not token_level:
             raise ValueError(

@@ -2,6 +2,7 @@
 
 grpo:  (r - mean_group) / (std_group + eps)                -- Shao et al., DeepSeekMath
 dr_grpo: r - mean_group                                     -- Liu et al., "Dr. GRPO" (no std scaling)
+rloo:  r_i - mean_{j != i} r_j  (leave-one-out baseline)    -- Kool et al. 2019; Ahmadian et al. 2024
 reinforce_plus_plus_baseline: r - mean_group, then whitened over the whole batch
 
 Token-level estimators ([batch, tokens] in and out; see each docstring for the formula):
@@ -22,6 +23,25 @@ EPS = 1e-6
 TOKEN_LEVEL_ESTIMATORS = ("ppo", "reinforce_plus_plus")
 
 
+def rloo_advantages(r: torch.Tensor) -> torch.Tensor:
+    """RLOO: REINFORCE with the leave-one-out baseline (Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline
+    for Free!"; Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization ... in LLMs").
+
+    For the n rewards r_1..r_n of one group (answers to the same prompt), each sample's baseline is the mean of the
+    OTHER n - 1 rewards, so the baseline does not depend on the sample's own action (unbiased):
+        A_i = r_i - (1/(n-1)) * sum_{j != i} r_j
+            = r_i - (n * mean - r_i) / (n-1)
+            = n/(n-1) * (r_i - mean),                  mean = (1/n) * sum_j r_j
+    i.e. Dr. GRPO's centred reward scaled by n/(n-1). No division by the group's std: `normalize_advantages_by_std`
+    does not apply to rloo (it is GRPO's option). A group of one sample has no other sample to form a baseline: its
+    advantage is 0 (as grpo and dr_grpo give a singleton group).
+    """
+    n = r.numel()
+    if n < 2:
+        return torch.zeros_like(r)
+    return r - (r.sum() - r) / (n - 1)
+
+
 def group_advantages(
     rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str = "grpo", normalize_by_std: bool = True
 ) -> torch.Tensor:
@@ -31,6 +51,9 @@ def group_advantages(
     for g in group_ids.unique():
         idx = group_ids == g
         r = rewards[idx]
+        if estimator == "rloo":
+            adv[idx] = rloo_advantages(r)
+            continue
         centred = r - r.mean()
         if estimator == "grpo" and normalize_by_std:
             # unbiased=False: a group of identical rewards gives 0/eps = 0, never NaN.
@@ -38,7 +61,7 @@ def group_advantages(
         adv[idx] = centred
     if estimator == "reinforce_plus_plus_baseline":
         adv = (adv - adv.mean()) / (adv.std(unbiased=False) + EPS)
-    elif estimator not in ("grpo", "dr_grpo"):
+    elif estimator not in ("grpo", "dr_grpo", "rloo"):
         raise ValueError(f"unknown advantage estimator {estimator!r}")
     return adv.float()
 

@@ -1,7 +1,8 @@
 """Policy-gradient losses on per-token log-probs. All tensors are [batch, tokens]; mask is 1 on trained tokens.
 
 The objectives, each the whole loss of one micro-batch in one block (what the trainer backpropagates):
-policy_objective: the policy's loss: PPO-clip or GSPO surrogate, TIS, KL loss, entropy bonus, aggregation.
+policy_objective: the policy's loss: PPO-clip, GSPO, CISPO or SAPO surrogate, TIS, KL loss, entropy bonus,
+    aggregation.
 value_objective: the PPO critic's clipped value loss, token mean.
 sft_objective: SFT's negative log-likelihood, token mean.
 
@@ -9,6 +10,9 @@ Their per-token pieces:
 ppo_clip_loss / ppo_clip_loss_with_stats: PPO clipped surrogate (Schulman et al. 2017), optional decoupled
     eps_low/eps_high (DAPO "clip-higher") and dual clip (Ye et al. 2020).
 gspo_loss: sequence-level importance ratio (Zheng et al. 2025, "Group Sequence Policy Optimization").
+cispo_loss: REINFORCE-style loss with a clipped, stop-gradient importance weight (MiniMax-M1, 2025).
+sapo_loss: PPO's hard clip replaced by a sigmoid gate of the ratio (Qwen team 2025, "Soft Adaptive Policy
+    Optimization", arXiv:2511.20347).
 tis_weights: truncated importance sampling against the rollout engine's log-probs (training-inference mismatch).
 value_loss: clipped value loss for a PPO critic.
 sft_loss: per-token negative log-likelihood.
@@ -114,6 +118,62 @@ def gspo_loss(
     clipped_term = -adv * s_tok.clamp(1.0 - eps_low, 1.0 + eps_high)
     loss = torch.maximum(unclipped, clipped_term) * m
     return loss, (clipped_term > unclipped).to(logp.dtype) * m
+
+
+def cispo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO per-token loss (MiniMax, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention",
+    2025): clip the importance-sampling weight, not the update.
+
+        r_t   = exp(logp_t - old_logp_t)
+        w_t   = sg[ clip(r_t, 1 - eps_low, 1 + eps_high) ]           (sg: stop-gradient; w_t is a constant)
+        L_t   = -w_t * A_t * logp_t
+    so d L_t / d logp_t = -w_t * A_t for every token: unlike PPO-clip, a token whose ratio left the trust region
+    still contributes a gradient (with its weight capped), it is never dropped. At r_t = 1 the gradient equals
+    PPO's, -A_t. eps_low >= 1 puts no lower bound on the weight (r_t > 0), the paper's setting (it tunes eps_high
+    only). The value of L_t is a surrogate (it depends on logp_t itself), only its gradient is meaningful.
+    Returns (per-token loss, indicator that the weight was clipped: r_t < 1 - eps_low or r_t > 1 + eps_high);
+    neither is masked.
+    """
+    ratio = torch.exp(logp.detach() - old_logp.detach())
+    lo, hi = 1.0 - eps_low, 1.0 + eps_high
+    w = ratio.clamp(min=lo, max=hi)
+    loss = -w * advantages * logp
+    return loss, ((ratio < lo) | (ratio > hi)).to(logp.dtype)
+
+
+def sapo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    tau_pos: float,
+    tau_neg: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SAPO per-token loss (Qwen team 2025, "Soft Adaptive Policy Optimization", arXiv:2511.20347): PPO's hard clip
+    replaced by a smooth, temperature-controlled sigmoid gate of the ratio.
+
+        r_t   = exp(logp_t - old_logp_t)
+        tau_t = tau_pos if A_t > 0 else tau_neg                   (asymmetric; the paper takes tau_neg > tau_pos)
+        f(r)  = (4 / tau_t) * sigmoid(tau_t * (r - 1))
+        L_t   = -A_t * f(r_t)
+    Its gradient: d L_t / d logp_t = -A_t * g_t * r_t with the soft gate g_t = 4 * s * (1 - s),
+    s = sigmoid(tau_t * (r_t - 1)): g = 1 at r = 1 (on-policy, the gradient is PPO's -A_t), 0 < g <= 1, and g decays
+    smoothly as r moves away from 1, faster for a larger tau (tau_neg > tau_pos damps negative-advantage tokens
+    sooner). As tau -> 0, f(r) = 2/tau + (r - 1) + O(tau^2) and the gradient tends to the unclipped surrogate's
+    -A_t * r_t. There is no hard clip: the returned indicator is all zeros (clipfrac 0). The paper's defaults are
+    tau_pos = 1.0, tau_neg = 1.05. The log-ratio is clamped to [-20, 20] (where the gate is already 0 in float32),
+    so an extreme ratio gives a zero gradient, never inf * 0. Returns (per-token loss, zeros); not masked.
+    """
+    log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
+    loss = -advantages * (4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0))
+    return loss, torch.zeros_like(loss)
 
 
 def tis_weights(
@@ -238,7 +298,9 @@ def policy_objective(
     constant. The micro-batches' losses sum to the step's loss, and their statistics to the step's (token means
     over the step; logprob_mismatch_max is a max).
 
-        pg   = PPO-clip surrogate (dual clip with eps_clip_c), or GSPO's sequence-ratio surrogate
+        pg   = by policy_loss: ppo_clip: PPO-clip surrogate (dual clip with eps_clip_c), or GSPO's sequence-ratio
+               surrogate when advantage_estimator is gspo; cispo: -sg[clip(r, 1 - eps_clip, 1 + eps_clip_high)] * A
+               * logp; sapo: -A * (4/tau) * sigmoid(tau * (r - 1)), tau = sapo_tau_pos (A > 0) or sapo_tau_neg
         pg  *= TIS weight clamp(exp(old - rollout), tis_clip_low, tis_clip)              if use_tis
         loss = agg(pg) + kl_loss_coef * agg(KL(policy || ref)) - entropy_coef * agg(entropy)
     """
@@ -253,6 +315,10 @@ def policy_objective(
 
     if a.advantage_estimator == "gspo":
         pg, clipped = gspo_loss(logp, old_logp, advantages, mask, a.eps_clip, eps_high)
+    elif a.policy_loss == "cispo":
+        pg, clipped = cispo_loss(logp, old_logp, advantages, a.eps_clip, eps_high)
+    elif a.policy_loss == "sapo":
+        pg, clipped = sapo_loss(logp, old_logp, advantages, a.sapo_tau_pos, a.sapo_tau_neg)
     else:
         pg, clipped = ppo_clip_loss(logp, old_logp, advantages, a.eps_clip, eps_high, clip_c=a.eps_clip_c)
     if a.use_tis:
