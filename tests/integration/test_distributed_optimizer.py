@@ -19,6 +19,17 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 # One micro-batch per DP rank at DP=2 (4 samples, micro-batches of 2): see test_checkpoint_loads_at_another_dp_size.
 LAYOUT = dict(global_batch_size=4, micro_batch_size=2)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The group's ranks run one torch thread each (RemoteTrainer's default); the in-process trainers compared
+    with them bit for bit must too: a matrix product splits its sums by thread, so the thread count decides the
+    order of the additions (with 2 threads here the step-3 weights differ by up to 5e-6)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 STEPS = 3
 
 
