@@ -293,8 +293,9 @@ def _dispatch(command: str, cfg: RunConfig) -> int:
     _RUN_DIR[:] = [Path(cfg.storage.output_dir).resolve()]  # where a fault's message looks for a full disk
     # One live process per run directory and run tables (storage/run_lock.py), taken before the run record is
     # written or anything starts: a second run is refused with one line naming the first.
-    with run_lock.hold(Path(cfg.storage.output_dir).resolve(), run_store(cfg), cfg.run_id, command):
-        check_tables(run_store(cfg), RUN_TABLES)  # a damaged table is one line, not a run on unreadable data
+    store = run_store(cfg)
+    with run_lock.hold(Path(cfg.storage.output_dir).resolve(), store, cfg.run_id, command):
+        check_tables(store, RUN_TABLES)  # a damaged table is one line, not a run on unreadable data
         if command in RESUMABLE:
             save_run_record(cfg, command)
         if command == "sft":

@@ -280,9 +280,11 @@ def rl_flow(config: RunConfig) -> dict:
     Typed as the pydantic model so a deployment's parameter form in the Prefect UI is the run config.
     """
     cfg = resolve_precision(RunConfig.model_validate(config))  # auto -> bf16/fp32 (a UI run starts here)
-    # The CLI took the run's lock already (re-entrant); a deployment's run takes it here (storage/run_lock.py).
-    with run_lock.hold(Path(cfg.storage.output_dir).resolve(), open_store(cfg), cfg.run_id, "run"):
-        check_tables(open_store(cfg), RUN_TABLES)  # storage/integrity.py
+    # The CLI took the run's lock and checked its tables already; a deployment's run does both here.
+    taken_here, store = not run_lock.held(cfg.run_id), open_store(cfg)
+    with run_lock.hold(Path(cfg.storage.output_dir).resolve(), store, cfg.run_id, "run"):
+        if taken_here:
+            check_tables(store, RUN_TABLES)  # storage/integrity.py
         return _run_steps(cfg)
 
 

@@ -236,6 +236,11 @@ def hold(run_dir: Path, store: ObjectStore, run_id: str, command: str):
         lock.release()
 
 
+def held(run_id: str) -> bool:
+    """Whether this process holds `run_id`'s lock (the CLI took it before the flow started)."""
+    return run_id in _HELD
+
+
 def ensure_held(run_id: str) -> None:
     """Raise if this process held `run_id`'s lease and lost it (no-op for a run it never locked)."""
     lock = _HELD.get(run_id)
