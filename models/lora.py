@@ -103,6 +103,12 @@ class LoraSpec:
         }
 
 
+def lora_spec(training: Any) -> LoraSpec:
+    """The LoraSpec of a TrainingConfig (--lora-rank, --lora-alpha, --lora-dropout, --target-modules)."""
+    return LoraSpec(training.lora_rank, float(training.lora_alpha), float(training.lora_dropout),
+                    tuple(resolve_targets(training.target_modules)))  # fmt: skip
+
+
 def _dims(hf_config: Any) -> dict[str, tuple[int, int]]:
     """(in, out) of every HF projection."""
     h = hf_config.hidden_size
@@ -196,9 +202,11 @@ class LoraAdapters(torch.nn.Module):
 
         p, scale = self.layers[layer], self.spec.scale
         x = x.float()
+        # Dropout only in a training forward: log-probs taken without gradient (old, reference) are deterministic.
+        dropout = self.dropout if self.training and torch.is_grad_enabled() else torch.nn.Identity()
         if kind in ("linear_proj", "linear_fc2"):  # row-parallel: x is this rank's input slice
             t = targets[0]
-            partial = self.dropout(x) @ p[f"{t}_A"].T
+            partial = dropout(x) @ p[f"{t}_A"].T
             if self.tp_size > 1:
                 partial = reduce_from_tensor_model_parallel_region(partial)
             return partial @ p[f"{t}_B"].T * scale
@@ -206,7 +214,7 @@ class LoraAdapters(torch.nn.Module):
         def piece(t: str, width: int) -> Tensor:
             if t not in targets:
                 return x.new_zeros(*x.shape[:-1], width)
-            h = self.dropout(x) @ p[f"{t}_A"].T
+            h = dropout(x) @ p[f"{t}_A"].T
             if self.tp_size > 1:  # every rank's B rows add to A's gradient: sum it over TP in backward
                 h = copy_to_tensor_model_parallel_region(h)
             return h @ p[f"{t}_B"].T * scale
@@ -251,14 +259,18 @@ class LoraAdapters(torch.nn.Module):
                 p[f"{t}_A"].copy_(a)
                 p[f"{t}_B"].copy_(b)
 
-    def local_state(self) -> dict[str, Tensor]:
-        """This rank's adapter slices, in peft's key names (TP shards not merged)."""
+    def local_params(self) -> dict[str, torch.nn.Parameter]:
+        """This rank's adapter parameters under peft's key names (TP slices)."""
         return {
-            peft_key(i, t, w): p[f"{t}_{w}"].detach()
+            peft_key(i, t, w): p[f"{t}_{w}"]
             for i, p in enumerate(self.layers)
             for t in self.spec.targets
             for w in ("A", "B")
         }
+
+    def local_state(self) -> dict[str, Tensor]:
+        """This rank's adapter slices, in peft's key names (TP shards not merged)."""
+        return {k: v.detach() for k, v in self.local_params().items()}
 
 
 def merge_tp_adapters(shards: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
@@ -299,11 +311,16 @@ def merge_into_hf(hf_state: Mapping[str, Tensor], adapter: Mapping[str, Tensor],
     for key, a in adapter.items():
         if not key.endswith(".lora_A.weight"):
             continue
-        b = adapter[key.replace(".lora_A.", ".lora_B.")]
+        b = adapter.get(key.replace(".lora_A.", ".lora_B."))
         wkey = key[len(_PEFT_PREFIX) :].replace(".lora_A.weight", ".weight")
-        if wkey not in out:
-            raise ValueError(f"adapter weight {key} has no base weight {wkey}")
+        if b is None or wkey not in out:
+            raise ValueError(f"adapter weight {key} has no lora_B pair or no base weight {wkey}")
         w = out[wkey]
+        if a.dim() != 2 or b.dim() != 2 or (b.shape[0], a.shape[1]) != tuple(w.shape) or b.shape[1] != a.shape[0]:
+            raise ValueError(
+                f"adapter for {wkey} does not fit: lora_B {tuple(b.shape)} @ lora_A {tuple(a.shape)}, "
+                f"weight {tuple(w.shape)}"
+            )
         out[wkey] = (w.float() + spec.scale * (b.float() @ a.float())).to(w.dtype)
     return out
 

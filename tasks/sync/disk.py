@@ -70,3 +70,25 @@ def write_weight_version(
     for old in sorted(root.glob("v*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def write_adapter_version(
+    adapter: dict[str, torch.Tensor], spec, base_model_dir: Path, root: Path, version: int, keep: int = 2
+) -> Path:
+    """A LoRA adapter version under `root`: peft's adapter directory (adapter_config.json with the base model's
+    directory as base_model_name_or_path, adapter_model.safetensors in fp32). Engines merge it into their own base
+    weights on load (infra/engine/core.py) or load it as a LoRA adapter (SGLang). Written under a temporary name
+    and renamed, like a full version; the newest `keep` stay."""
+    from sluiceway.models.lora import write_adapter_dir
+
+    root.mkdir(parents=True, exist_ok=True)
+    final = version_dir(root, version)
+    if final.exists():
+        return final
+    tmp = root / f".tmp-v{version:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_adapter_dir(adapter, spec, tmp, str(Path(base_model_dir).resolve()), {"weight_version": str(version)})
+    tmp.rename(final)
+    for old in sorted(root.glob("v*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final

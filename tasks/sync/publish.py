@@ -24,6 +24,11 @@ def sync_due(cfg: RunConfig, step: int) -> bool:
     return not ((step + 1) % cfg.sync.update_weights_interval and step + 1 != cfg.rollout.num_rollout)
 
 
+def adapter_sync(cfg: RunConfig) -> bool:
+    """Whether each version is a LoRA adapter (--lora-rank with --lora-sync adapter), not full weights."""
+    return bool(cfg.training.lora_rank) and cfg.sync.lora_sync == "adapter"
+
+
 def weight_publisher(cfg: RunConfig) -> WeightPublisher:
     """The run's publisher to its weight store (one per process: it holds the last version to diff against)."""
     s = cfg.sync
@@ -33,7 +38,7 @@ def weight_publisher(cfg: RunConfig) -> WeightPublisher:
     # A pool serving fp32 upcasts them exactly. float_dtype also casts an fp32 directory, should one come.
     return WeightPublisher(
         WeightStore(store), full_every=s.weights_full_every, keep=s.weights_keep,
-        float_dtype="BF16" if cfg.training.bf16 else None,
+        float_dtype="BF16" if cfg.training.bf16 and not adapter_sync(cfg) else None,  # adapters stay fp32
     )  # fmt: skip
 
 
@@ -54,7 +59,7 @@ def sync_weights(
     update_weight_mode delta publish them (`publisher()` gives the process's publisher); return the directory."""
     # A --bf16 run's engines serve bf16: write the masters rounded as the engines would round them on load.
     dtype = "bfloat16" if cfg.training.bf16 else None
-    path = trainer.write_weights(hf_dir, weights_dir, dtype=dtype)
+    path = trainer.write_weights(hf_dir, weights_dir, dtype=dtype, adapter_only=adapter_sync(cfg))
     engines.update_weights(path, trainer.weight_version)
     if cfg.sync.update_weight_mode == "delta":
         publish_weights(publisher(), trainer.weight_version, path, cfg.weights_uri)

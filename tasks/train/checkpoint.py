@@ -1,7 +1,8 @@
 """Trainer checkpoints on local disk: what a checkpoint directory holds, written and read back.
 
-    <dir>/tp<r>.pt     per tensor-parallel rank: fp32 master weights (megatron names), optimizer, LR schedule,
-                       RNG states, weight version, step, and the PPO critic's state (or None)
+    <dir>/tp<r>.pt     per tensor-parallel rank: fp32 master weights (megatron names; with --lora-rank the adapters
+                       alone, models/lora.py), optimizer, LR schedule, RNG states, weight version, step, and the
+                       PPO critic's state (or None)
     <dir>/meta.json    {"step", "weight_version", "tensor_parallel"}
 
 The layout is the same with `--use-distributed-optimizer` (tasks/train/zero.py): the sharded masters and Adam
@@ -77,7 +78,7 @@ def load_checkpoint(trainer: PolicyTrainer, path: str | Path) -> int:
             f"this trainer has {trainer.tp_size}"
         )
     state = torch.load(path / f"tp{trainer.tp_rank}.pt", map_location="cpu", weights_only=False)
-    missing, unexpected = trainer.model.load_state_dict(state["model"], strict=False)
+    missing, unexpected = trainer.trainable.load_state_dict(state["model"], strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise RuntimeError(

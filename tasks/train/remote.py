@@ -55,8 +55,10 @@ class TrainerGroup:
         self._refresh()
         return step
 
-    def write_weights(self, hf_dir: str | Path, root: str | Path, dtype: str | None = None) -> Path:
-        return Path(self._call("write_weights", str(hf_dir), str(root), dtype))
+    def write_weights(
+        self, hf_dir: str | Path, root: str | Path, dtype: str | None = None, adapter_only: bool = False
+    ) -> Path:
+        return Path(self._call("write_weights", str(hf_dir), str(root), dtype, adapter_only))
 
     def state(self) -> dict[str, int]:
         """Rank 0's PolicyTrainer.state()."""
