@@ -18,6 +18,9 @@ for the trainer as it is built here (models/megatron_gpt.py, tasks/train/trainer
   trained positions and their gradient; with recompute, what megatron's checkpointing keeps instead (a group's
   input per recompute group, and one group's activations recomputed at a time);
 - a reference model (use_kl_loss / kl_coef) holds weights only; a PPO critic holds weights, grads and an optimizer;
+- with --lora-rank the base weights are frozen (no gradients, masters or moments) and the fp32 adapters hold
+  weights, gradients and AdamW's moments (r x (in + out) per adapted projection and layer); the reference of a KL
+  loss is the base with the adapters off, so there is no reference model; activations are counted as without LoRA;
 - each embedded engine holds its weights and a KV cache allocated whole when it starts: keys and values per layer,
   KV head and head dim, for max_running_requests x (prompt + response) tokens;
 - each process holds its runtime (torch, megatron, Python: ~0.45 GiB resident measured for a trainer rank on this
@@ -42,6 +45,7 @@ from pathlib import Path
 
 from sluiceway.flows.config import RunConfig
 from sluiceway.infra.errors import UserError
+from sluiceway.models.lora import resolve_targets
 
 GIB = 2**30
 # Resident memory of a process after importing torch, megatron-core and the trainer (0.43 GiB measured for a
@@ -118,6 +122,19 @@ class ModelShape:
         head = (0 if self.tied else embed) if lm_head else h
         return embed + head + self.layers * layer + h
 
+    def lora_parameters(self, rank: int, targets: tuple[str, ...], tp: int = 1) -> int:
+        """LoRA adapter parameters held by one TP rank: r x (in + out) per adapted projection and layer, the
+        sharded factor (B of column-parallel, A of row-parallel projections) divided over TP (models/lora.py)."""
+        h, q, kv, f = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.ffn
+        dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}  # fmt: skip
+        per_layer = 0
+        for t in targets:
+            fan_in, fan_out = dims[t]
+            row_parallel = t in ("o_proj", "down_proj")
+            per_layer += rank * (fan_in // tp + fan_out if row_parallel else fan_in + fan_out // tp)
+        return self.layers * per_layer
+
     def kv_bytes_per_token(self, width: int) -> int:
         """KV cache bytes per token of a request (all layers, keys and values)."""
         return 2 * self.layers * self.kv_heads * self.head_dim * width
@@ -178,6 +195,8 @@ class Layout:
     masked: bool = False  # rows laid out with an attention mask (shared prompts, packing)
     micro_batches: int = 2  # per optimizer step on a rank: above 1, a backward runs with every gradient held
     distributed_optimizer: bool = False
+    lora_rank: int = 0  # --lora-rank: only adapters train (fp32 weights, grads, moments); no reference model
+    lora_targets: tuple[str, ...] = ()
     recompute: Recompute = field(default_factory=Recompute)
     reference: bool = False
     critic: bool = False
@@ -215,8 +234,12 @@ class Layout:
             masked=masked,
             micro_batches=micro_batches_per_step(cfg, command, seq, rows),
             distributed_optimizer=t.use_distributed_optimizer,
+            lora_rank=t.lora_rank,
+            lora_targets=tuple(resolve_targets(t.target_modules)) if t.lora_rank else (),
             recompute=Recompute(t.recompute_granularity, t.recompute_method, t.recompute_num_layers),
-            reference=a.use_kl_loss or (a.advantage_estimator in ("ppo", "reinforce_plus_plus") and a.kl_coef > 0),
+            # With LoRA the reference is the base model with the adapters off: no second copy.
+            reference=not t.lora_rank
+            and (a.use_kl_loss or (a.advantage_estimator in ("ppo", "reinforce_plus_plus") and a.kl_coef > 0)),
             critic=a.advantage_estimator == "ppo" and a.loss_type != "sft_loss",
             engines=r.rollout_num_engines if starts_engines and r.rollout_engine == "embedded" else 0,
             engine_bf16=bf16,
@@ -542,7 +565,10 @@ def plan(
     shard = lay.dp if lay.distributed_optimizer and lay.dp > 1 else 1
     over = f" / DP {shard}" if shard > 1 else ""
     static = [Item(f"weights ({'bf16' if lay.bf16 else 'fp32'})", p * w, f"{p:,} x {w} B")]
-    if lay.bf16:
+    if lay.lora_rank:  # the base is frozen: the adapters are the only trained (and optimizer) state, all fp32
+        p = m.lora_parameters(lay.lora_rank, lay.lora_targets, lay.tp)
+        static.append(Item("LoRA adapters (fp32)", p * 4, f"{p:,} x 4 B, rank {lay.lora_rank}"))
+    elif lay.bf16:
         static.append(Item("fp32 master weights", _ceil_div(p, shard) * 4, f"{p:,} x 4 B{over}"))
     static.append(Item("Adam moments (fp32 m, v)", _ceil_div(p, shard) * 8, f"{p:,} x 8 B{over}"))
     if lay.reference:
@@ -556,7 +582,9 @@ def plan(
     else:
         static.append(Item("runtime (torch, megatron)", PROCESS_RUNTIME, "resident, per process"))
     act = activation_bytes(m, lay)
-    if lay.micro_batches > 1:
+    if lay.lora_rank:
+        grads = Item("gradients (LoRA adapters, fp32)", p * 4, "the frozen base has none")
+    elif lay.micro_batches > 1:
         grads = Item(f"gradients ({'bf16' if lay.bf16 else 'fp32'})", p * w,
                      f"accumulated over {lay.micro_batches} micro-batches")  # fmt: skip
     else:  # one micro-batch a step: gradients appear as backward frees the activations, the output layer's first
@@ -566,7 +594,7 @@ def plan(
             "one micro-batch a step: the output layer's first, the rest as activations are freed",
         )
     backward = [grads, Item("activations", act.peak, act.detail)]
-    step = [Item("gradients (fp32, at the step)", p * 4, "master grads" if lay.bf16 else "")]
+    step = [Item("gradients (fp32, at the step)", p * 4, "master grads" if lay.bf16 and not lay.lora_rank else "")]
     if lay.recompute.granularity is None:
         alt_rc, alt_label = FULL_RECOMPUTE, "with --recompute-granularity full"
     else:

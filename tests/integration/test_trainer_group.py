@@ -72,3 +72,29 @@ def test_a_failing_group_reports_its_error(tiny, tmp_path):
     kwargs = trainer_kwargs(path, tok, tp=2) | {"hf_dir": str(tmp_path / "no-such-model")}
     with pytest.raises(TrainerGroupError, match="no-such-model"):
         RemoteTrainer(kwargs, nproc=2, work_dir=tmp_path)
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"tp": 1}], ids=["tp2", "dp2"])
+def test_lora_group_matches_one_process(tiny, tmp_path, layout):
+    """--lora-rank in a torchrun group: the adapters' gradients (peft's keys, TP slices merged) and the adapter
+    written after a step equal one process's."""
+    from sluiceway.models.lora import read_adapter_dir
+
+    path, tok = tiny
+    lora = dict(lora_rank=4, lora_alpha=8)
+    local = local_trainer(trainer_kwargs(path, tok, **lora))
+    ref = local.gradients(batch(tok), step=0)
+    group = RemoteTrainer(trainer_kwargs(path, tok, **layout, **lora), nproc=2, work_dir=tmp_path)
+    try:
+        got = group.gradients(batch(tok), step=0)
+        assert_same(got, ref)
+        assert got[1] and all(".lora_" in k for k in got[1])
+        local.train_rollout(batch(tok), 0)
+        group.train_rollout(batch(tok), 0)
+        _, theirs = read_adapter_dir(group.write_weights(path, tmp_path / "g", adapter_only=True))
+        _, ours = read_adapter_dir(local.write_weights(path, tmp_path / "l", adapter_only=True))
+        assert set(theirs) == set(ours)
+        for k in ours:
+            torch.testing.assert_close(theirs[k], ours[k], atol=1e-5, rtol=0, msg=k)
+    finally:
+        group.close()

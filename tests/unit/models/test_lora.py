@@ -130,3 +130,15 @@ def test_target_names():
     assert resolve_targets(["v_proj", "q_proj", "q_proj"]) == ["q_proj", "v_proj"]
     with pytest.raises(ValueError, match="unknown LoRA target module 'lm_head'"):
         resolve_targets(["lm_head"])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_memory_plan_counts_the_adapters(kind):
+    """flows/plan.py's adapter count (what `sluiceway plan` and the preflight use) is the trainer's."""
+    from sluiceway.flows.plan import ModelShape
+
+    hf = hf_model(kind)
+    targets = ("q_proj", "v_proj", "down_proj")
+    lora = LoraAdapters(hf.config, LoraSpec(4, 8.0, 0.0, targets), seed=0)
+    shape = ModelShape.from_hf(hf.config.to_dict())
+    assert shape.lora_parameters(4, targets) == sum(p.numel() for p in lora.parameters())
