@@ -240,8 +240,54 @@ class AlgorithmConfig(_Group):
         description="Truncated importance sampling: weight each token by exp(old - rollout log-prob), "
         "clipped, to correct the training-inference mismatch.",
     )
-    tis_clip: float = Field(2.0, gt=0.0, description="Upper clip of the TIS weight.")
-    tis_clip_low: float | None = Field(None, ge=0.0, description="Lower clip of the TIS weight (default none).")
+    tis_clip: float = Field(
+        2.0, gt=0.0, description="Upper clip of the TIS weight; icepop and mis: the band's upper bound."
+    )
+    tis_clip_low: float | None = Field(
+        None,
+        ge=0.0,
+        description="Lower clip of the TIS weight (default none); icepop and mis: the band's lower bound "
+        "(default 1 / tis_clip).",
+    )
+    tis_mode: Literal["truncate", "icepop", "mis"] = Field(
+        "truncate",
+        description="With use_tis, how the ratio exp(old - rollout log-prob) corrects the loss. truncate: TIS, "
+        "the weight clamp(ratio, tis_clip_low, tis_clip); icepop (Ant Group's IcePop, slime's icepop_function): "
+        "a token whose ratio lies outside [tis_clip_low, tis_clip] is masked out (weight 0), the others keep the "
+        "ratio as weight; mis (sequence-level masked IS, slime's geometric level in mask mode): the same on each "
+        "sequence's geometric-mean ratio, a whole sequence masked or weighted by it (give a narrow band, e.g. "
+        "--tis-clip 1.01).",
+    )
+    custom_tis_function_path: str | None = Field(
+        None,
+        description="With use_tis, your correction instead of tis_mode's: 'module:fn' or 'file.py:fn', "
+        "fn(old_logp, rollout_logp, mask, algorithm) -> weights [b, t] or (weights, {name: per-token tensor}), "
+        "the named values logged as token means 'train/tis_NAME'. Imported when the config is read.",
+    )
+
+    @field_validator("custom_tis_function_path")
+    @classmethod
+    def _load_tis_function(cls, path: str | None) -> str | None:
+        """The function must import and take (old_logp, rollout_logp, mask, algorithm): a mistake is one line
+        when the config is read, not an exception in the trainer after the engines started."""
+        if path is None:
+            return path
+        import inspect
+
+        from sluiceway.infra.plugins import load_function
+
+        try:
+            fn = load_function(path, "--custom-tis-function-path")
+        except UserError as e:
+            raise ValueError(str(e).removeprefix("--custom-tis-function-path ")) from None
+        try:
+            inspect.signature(fn).bind(None, None, None, None)
+        except TypeError:
+            raise ValueError(f"{path} must take (old_logp, rollout_logp, mask, algorithm)") from None
+        except ValueError:
+            pass  # a builtin or C function without a signature: called as it is
+        return path
+
     use_kl_loss: bool = Field(False, description="Add a KL(policy || reference) loss term.")
     kl_loss_coef: float = Field(0.0, ge=0.0, description="Weight of the KL loss term.")
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = Field("low_var_kl", description="KL estimator.")
@@ -541,6 +587,18 @@ class RunConfig(_Group):
                 raise ValueError(f"rollout_num_gpus ({r.rollout_num_gpus}) must be a multiple of "
                                  f"rollout_num_gpus_per_engine ({r.rollout_num_gpus_per_engine})")  # fmt: skip
 
+    def _check_tis(self) -> None:
+        """tis_mode and custom_tis_function_path choose use_tis's correction; the bounds must leave a band."""
+        a = self.algorithm
+        if not a.use_tis and (a.tis_mode != "truncate" or a.custom_tis_function_path):
+            what = "custom_tis_function_path" if a.custom_tis_function_path else f"tis_mode {a.tis_mode}"
+            raise ValueError(f"{what} corrects the loss only with use_tis: add --use-tis")
+        if a.custom_tis_function_path and a.tis_mode != "truncate":
+            raise ValueError(f"custom_tis_function_path replaces tis_mode {a.tis_mode}: give one of them")
+        low = a.tis_clip_low if a.tis_clip_low is not None or a.tis_mode == "truncate" else 1.0 / a.tis_clip
+        if low is not None and low > a.tis_clip:
+            raise ValueError(f"the TIS lower bound {low:g} is above tis_clip {a.tis_clip:g}")
+
     @model_validator(mode="after")
     def _check_invariants(self, info: ValidationInfo) -> RunConfig:
         if (info.context or {}).get("fields_only"):
@@ -580,6 +638,7 @@ class RunConfig(_Group):
         a = self.algorithm
         if a.policy_loss != "ppo_clip" and (a.advantage_estimator == "gspo" or a.eps_clip_c is not None):
             raise ValueError(f"policy_loss {a.policy_loss} replaces the PPO clip: gspo and eps_clip_c need ppo_clip")
+        self._check_tis()
         token_level = a.advantage_estimator in ("ppo", "reinforce_plus_plus")
         if a.kl_coef > 0 and not token_level:
             raise ValueError(

@@ -14,6 +14,8 @@ cispo_loss: REINFORCE-style loss with a clipped, stop-gradient importance weight
 sapo_loss: PPO's hard clip replaced by a sigmoid gate of the ratio (Qwen team 2025, "Soft Adaptive Policy
     Optimization", arXiv:2511.20347).
 tis_weights: truncated importance sampling against the rollout engine's log-probs (training-inference mismatch).
+icepop_weights / mis_weights: the mismatch ratio's token mask (IcePop) and sequence mask (geometric-mean MIS);
+    mismatch_weights picks the correction (tis_mode or a user's function), mismatch_kl measures the mismatch.
 value_loss: clipped value loss for a PPO critic.
 sft_loss: per-token negative log-likelihood.
 kl_penalty: per-token KL estimators (k1/k2/k3).
@@ -23,6 +25,8 @@ Per-token losses are returned un-masked unless a function takes `mask`; `aggrega
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -195,6 +199,106 @@ def tis_weights(
     return w.clamp(min=clip_low, max=clip_high)
 
 
+def mismatch_band(clip_high: float, clip_low: float | None) -> tuple[float, float]:
+    """[low, high] of the masking corrections (icepop, mis): [clip_low, clip_high], clip_low defaulting to
+    1 / clip_high, the symmetric band [1/b, b] in ratio (|log ratio| <= log b)."""
+    return (1.0 / clip_high if clip_low is None else clip_low), clip_high
+
+
+def icepop_weights(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, low: float, high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """IcePop token masking of the training-inference mismatch (Ant Group's Ling team, IcePop blog post, Sep 2025,
+    ringtech.notion.site/icepop; used to train Ring-1T): a token whose trainer/engine probability ratio leaves the
+    band [low, high] (the post's [alpha, beta]) is dropped from the gradient.
+
+        k_t = exp(old_logp_t - rollout_logp_t)                          (trainer's behaviour policy / rollout engine)
+        w_t = k_t  if low <= k_t <= high,  else 0
+    As in slime's icepop_function, a token inside the band is also importance-weighted by k_t (TIS inside the
+    band, a mask outside it), not weighted 1. Multiply the per-token policy loss by w_t before `aggregate`; the
+    aggregation's denominators are unchanged, so a masked token still counts in the token mean (as in slime).
+    The log-ratio is clamped to [-20, 20] first (any such ratio lies outside a sensible band). Returns (w, kept),
+    w detached, kept the bool tensor low <= k_t <= high; neither is masked.
+    """
+    log_k = (old_logp.detach() - rollout_logp.detach()).clamp(-20.0, 20.0)
+    k = torch.exp(log_k)
+    kept = (k >= low) & (k <= high)
+    return torch.where(kept, k, torch.zeros_like(k)), kept
+
+
+def mis_weights(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, low: float, high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence-level masked importance sampling (MIS) on the geometric-mean ratio: a sequence whose trainer and
+    engine disagree too much is dropped whole (the sequence-level IS and masking of Liu, Li et al. 2025, "When
+    Speed Kills Stability: Demystifying RL Collapse from the Training-Inference Mismatch"; the length-normalised
+    ratio and the weight inside the band follow slime's examples/train_infer_mismatch_helper, tis_level
+    geometric with tis_mode mask).
+
+        rho_i = exp( (1/|y_i|) * sum_t mask_it * (old_logp_it - rollout_logp_it) )   (|y_i|: trained tokens of i)
+        w_it  = rho_i  if low <= rho_i <= high,  else 0                              (every token of sequence i)
+    rho_i is the geometric mean of the token ratios, so unlike the sequence product its scale does not grow with
+    the length: the band should be narrow (slime suggests about [0.9999, 1.0001]; 1/b..b with b near 1). The mean
+    log-ratio is clamped to [-20, 20]. A row without trained tokens gets rho = 1. Returns (w [b, t] detached,
+    kept [b] bool); w is not masked.
+    """
+    m = mask.to(old_logp.dtype)
+    diff = torch.where(m > 0, old_logp.detach() - rollout_logp.detach(), torch.zeros_like(m))  # no inf * 0
+    log_rho = (diff.sum(-1) / m.sum(-1).clamp(min=1.0)).clamp(-20.0, 20.0)
+    rho = torch.exp(log_rho)
+    kept = (rho >= low) & (rho <= high)
+    w = torch.where(kept, rho, torch.zeros_like(rho))
+    return w.unsqueeze(-1).expand_as(old_logp), kept
+
+
+def mismatch_kl(old_logp: torch.Tensor, rollout_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(rollout engine || trainer) on tokens the engine sampled (Schulman's k3):
+
+        d_t = old_logp_t - rollout_logp_t,   kl_t = exp(d_t) - 1 - d_t   (>= 0, 0 where the two agree)
+    E_rollout[exp(d) - 1 - d] = KL(pi_rollout || pi_old), as slime's k3_kl mismatch metric. d is clamped to
+    [-20, 20] so one wild token cannot make the step's metric inf. Not masked.
+    """
+    d = (old_logp.detach() - rollout_logp.detach()).clamp(-20.0, 20.0)
+    return torch.exp(d) - 1.0 - d
+
+
+@functools.cache
+def _custom_tis_function(path: str) -> Callable:
+    from sluiceway.infra.plugins import load_function
+
+    return load_function(path, "--custom-tis-function-path")
+
+
+def mismatch_weights(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, algorithm: AlgorithmConfig
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The per-token weights [b, t] that use_tis multiplies the policy loss by, which tokens they bounded, and a
+    custom function's metrics.
+
+    tis_mode truncate: `tis_weights` (bounded: the ratio was clamped); icepop: `icepop_weights`, mis: `mis_weights`
+    on `mismatch_band(tis_clip, tis_clip_low)` (bounded: masked out). custom_tis_function_path names
+    fn(old_logp, rollout_logp, mask, algorithm) -> weights, or (weights, metrics): weights a tensor broadcastable to
+    [b, t] (detached here), metrics {name: tensor broadcastable to [b, t]}, each logged as its token mean over the
+    step's trained tokens as tis_<name> (the same names on every call); bounded: its zero weights.
+    """
+    a = algorithm
+    metrics: dict[str, torch.Tensor] = {}
+    if a.custom_tis_function_path:
+        out = _custom_tis_function(a.custom_tis_function_path)(old_logp.detach(), rollout_logp.detach(), mask, a)
+        w, metrics = out if isinstance(out, tuple) else (out, {})
+        w = torch.as_tensor(w, dtype=old_logp.dtype).detach().expand_as(old_logp)
+        return w, w == 0, metrics
+    if a.tis_mode == "icepop":
+        w, kept = icepop_weights(old_logp, rollout_logp, *mismatch_band(a.tis_clip, a.tis_clip_low))
+        return w, ~kept, metrics
+    if a.tis_mode == "mis":
+        w, kept = mis_weights(old_logp, rollout_logp, mask, *mismatch_band(a.tis_clip, a.tis_clip_low))
+        return w, ~kept.unsqueeze(-1).expand_as(w), metrics
+    w = tis_weights(old_logp, rollout_logp, a.tis_clip, a.tis_clip_low)
+    ratio = torch.exp(old_logp.detach() - rollout_logp.detach())
+    return w, w != ratio, metrics
+
+
 def value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,
@@ -301,8 +405,14 @@ def policy_objective(
         pg   = by policy_loss: ppo_clip: PPO-clip surrogate (dual clip with eps_clip_c), or GSPO's sequence-ratio
                surrogate when advantage_estimator is gspo; cispo: -sg[clip(r, 1 - eps_clip, 1 + eps_clip_high)] * A
                * logp; sapo: -A * (4/tau) * sigmoid(tau * (r - 1)), tau = sapo_tau_pos (A > 0) or sapo_tau_neg
-        pg  *= TIS weight clamp(exp(old - rollout), tis_clip_low, tis_clip)              if use_tis
+        pg  *= if use_tis, by tis_mode (`mismatch_weights`): truncate: clamp(exp(old - rollout), tis_clip_low,
+               tis_clip); icepop: the token ratio inside the band, 0 outside; mis: the sequence's geometric-mean
+               ratio inside the band, 0 outside; or custom_tis_function_path's weights
         loss = agg(pg) + kl_loss_coef * agg(KL(policy || ref)) - entropy_coef * agg(entropy)
+    Mismatch statistics (token means over the step unless said): mismatch_kl (`mismatch_kl`, k3 of rollout vs
+    old), tis_weight_mean (1 without use_tis), tis_clipfrac (weights clamped or masked), tis_masked_frac (weight
+    0), tis_masked_seq_frac (share of the step's sequences all of whose trained tokens have weight 0: mis's
+    masked sequences), and a custom function's tis_<name>.
     """
     a = algorithm
     eps_high = a.eps_clip_high if a.eps_clip_high is not None else a.eps_clip
@@ -321,8 +431,12 @@ def policy_objective(
         pg, clipped = sapo_loss(logp, old_logp, advantages, a.sapo_tau_pos, a.sapo_tau_neg)
     else:
         pg, clipped = ppo_clip_loss(logp, old_logp, advantages, a.eps_clip, eps_high, clip_c=a.eps_clip_c)
+    tis_metrics: dict[str, torch.Tensor] = {}
     if a.use_tis:
-        pg = pg * tis_weights(old_logp, rollout_logp, a.tis_clip, a.tis_clip_low)
+        weights, bounded, tis_metrics = mismatch_weights(old_logp, rollout_logp, mask, a)
+        pg = pg * weights
+    else:
+        weights, bounded = torch.ones_like(old_logp), torch.zeros_like(mask, dtype=torch.bool)
     loss = agg(pg)
     stats = {"pg_loss": loss.item(), "kl": 0.0}
     if ref_logp is not None:
@@ -342,7 +456,39 @@ def policy_objective(
         "logprob_mismatch": float(gap.sum()) / max(n_tokens, 1.0),
         "logprob_mismatch_max": float(gap.max()),
     }
+    stats |= _mismatch_stats(old_logp, rollout_logp, mask, weights, bounded, tis_metrics, n_tokens, n_seqs)
     return loss, stats
+
+
+def _mismatch_stats(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor,
+    bounded: torch.Tensor,
+    extra: dict[str, torch.Tensor],
+    n_tokens: float,
+    n_seqs: float,
+) -> dict[str, float]:
+    """This micro-batch's share of the step's mismatch statistics (see `policy_objective`)."""
+    m = mask.to(old_logp.dtype)
+    trained = m > 0
+
+    def token_share(x: torch.Tensor) -> float:
+        return float((x.to(m.dtype).expand_as(m) * m).sum()) / max(n_tokens, 1.0)
+
+    masked = (weights == 0) & trained
+    seq_masked = trained.any(-1) & (masked.sum(-1) == trained.sum(-1))
+    out = {
+        "mismatch_kl": token_share(mismatch_kl(old_logp, rollout_logp)),
+        "tis_weight_mean": token_share(weights),
+        "tis_clipfrac": token_share(bounded),
+        "tis_masked_frac": token_share(masked),
+        "tis_masked_seq_frac": float(seq_masked.sum()) / max(n_seqs, 1.0),
+    }
+    for name, value in extra.items():
+        out[name if name.startswith("tis_") else f"tis_{name}"] = token_share(torch.as_tensor(value).detach())
+    return out
 
 
 def value_objective(

@@ -189,7 +189,8 @@ class PolicyTrainer:
     def _accumulate(self, st: OptimizerStep, old_logps: list[torch.Tensor] | None) -> dict[str, float]:
         """Forward and backward over this rank's micro-batches of one optimizer step; grads accumulate."""
         self.model.train()
-        keys = ("loss", "pg_loss", "kl", "entropy", "clipfrac", "ratio", "logprob_mismatch", "logprob_mismatch_max")
+        keys = ("loss", "pg_loss", "kl", "entropy", "clipfrac", "ratio", "logprob_mismatch", "logprob_mismatch_max",
+                "mismatch_kl", "tis_weight_mean", "tis_clipfrac", "tis_masked_frac", "tis_masked_seq_frac")  # fmt: skip
         sums = dict.fromkeys(keys, 0.0)
         for i, mb in enumerate(st.batches):
             logp, entropy = self._logprobs(self.model, mb)
@@ -205,7 +206,7 @@ class PolicyTrainer:
             )  # fmt: skip
             loss.backward()
             for k, v in stats.items():
-                sums[k] = max(sums[k], v) if k == "logprob_mismatch_max" else sums[k] + v
+                sums[k] = max(sums[k], v) if k == "logprob_mismatch_max" else sums.get(k, 0.0) + v  # + tis_<name>
         # Each DP rank holds shares of global sums; TP ranks of one DP rank computed the same values.
         return reduce_step_metrics(sums, max_keys=("logprob_mismatch_max",))
 
