@@ -292,6 +292,30 @@ class AlgorithmConfig(_Group):
     kl_loss_coef: float = Field(0.0, ge=0.0, description="Weight of the KL loss term.")
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = Field("low_var_kl", description="KL estimator.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Weight of the entropy bonus.")
+    use_opd: bool = Field(
+        False,
+        description="On-policy distillation: a teacher scores the student's sampled tokens and each trained "
+        "token's advantage becomes A - opd_kl_coef x (student log-prob - teacher log-prob), the per-token reverse "
+        "KL (docs/distillation.md). With a zero task reward it is pure distillation.",
+    )
+    opd_type: Literal["sglang", "megatron"] | None = Field(
+        None,
+        description="use_opd: sglang: a teacher engine (opd_teacher_url, or an embedded engine the run starts on "
+        "opd_teacher_load) scores each sample once after its rollout, into the trajectories' teacher_logprobs "
+        "column (replay and resume read it back); megatron: a frozen megatron-core teacher from opd_teacher_load "
+        "in the trainer, as the reference model.",
+    )
+    opd_kl_coef: float = Field(1.0, ge=0.0, description="use_opd: weight of the reverse KL in the advantage.")
+    opd_teacher_load: str | None = Field(
+        None,
+        description="use_opd: the teacher model (HF directory or zoo name; the student's vocabulary). megatron: "
+        "loaded into the trainer; sglang: served by an embedded engine the run starts on loopback.",
+    )
+    opd_teacher_url: str | None = Field(
+        None,
+        description="opd_type sglang: URL of a running teacher engine or router (SGLang, `sluiceway engine`, "
+        "sglang-router) instead of opd_teacher_load.",
+    )
     kl_coef: float = Field(
         0.0,
         ge=0.0,
@@ -654,6 +678,7 @@ class RunConfig(_Group):
             )
         if self.algorithm.use_kl_loss and self.algorithm.kl_loss_coef == 0.0:
             raise ValueError("use_kl_loss is set but kl_loss_coef is 0: set --kl-loss-coef")
+        self._check_opd(command)
         if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
             raise ValueError(
                 f"over_sampling_batch_size ({r.over_sampling_batch_size}) must be >= rollout_batch_size"
@@ -697,6 +722,33 @@ class RunConfig(_Group):
         if self.algorithm.use_kl_loss or self.eval.eval_interval:
             raise ValueError("SFT has no KL loss and no evaluation yet: unset use_kl_loss and eval_interval")
         return self
+
+    def _check_opd(self, command: str) -> None:
+        """On-policy distillation: which teacher, where (a replay reads the stored teacher log-probs)."""
+        a = self.algorithm
+        given = [f for f in ("opd_type", "opd_teacher_load", "opd_teacher_url") if getattr(a, f) is not None]
+        if not a.use_opd:
+            if given:
+                what = " and ".join(given)
+                raise ValueError(f"{what} set(s) up on-policy distillation: also set use_opd (--use-opd)")
+            return
+        if a.opd_type is None:
+            raise ValueError("use_opd needs opd_type (--opd-type sglang: a teacher engine; megatron: in the trainer)")
+        if a.opd_type == "megatron":
+            if a.opd_teacher_url is not None:
+                raise ValueError("opd_type megatron loads the teacher into the trainer: give opd_teacher_load, "
+                                 "not opd_teacher_url (that is opd_type sglang)")  # fmt: skip
+            if a.opd_teacher_load is None:
+                raise ValueError("opd_type megatron needs opd_teacher_load (the teacher's HF directory)")
+            return
+        if a.opd_teacher_url is not None and a.opd_teacher_load is not None:
+            raise ValueError("opd_type sglang: give opd_teacher_url (a running teacher) or opd_teacher_load (the "
+                             "run starts one), not both")  # fmt: skip
+        if a.opd_teacher_url is None and a.opd_teacher_load is None and command == "run":
+            raise ValueError("opd_type sglang needs a teacher: opd_teacher_url (a running engine) or opd_teacher_load "
+                             "(an HF directory the run serves)")  # fmt: skip
+        if a.opd_teacher_url is not None and not re.match(r"https?://[^/\s]+", a.opd_teacher_url):
+            raise ValueError(f"opd_teacher_url: {a.opd_teacher_url!r} is not http://HOST:PORT")
 
     def _check_recompute(self) -> None:
         """Megatron's rules for its recompute flags: a method and a layer count belong to full recompute (which

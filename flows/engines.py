@@ -193,3 +193,49 @@ def reported_version(wstore: WeightStore, name: str) -> int | None:
         return None
     v = status.get("serving", status.get("version"))
     return int(v) if v is not None else None
+
+
+class TeacherEngine:
+    """On-policy distillation's teacher (opd_type sglang): a client to opd_teacher_url, or an embedded engine the
+    run starts on opd_teacher_load (loopback, no router: it only scores) and stops with the run.
+
+    Its engine starts loading at construction; `wait_ready(loop)` waits for it and makes the client on `loop`,
+    the student engines' loop, so the scoring stage runs there as rollout does."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path):
+        a = cfg.algorithm
+        self.pool, self.loop, self.client = None, None, None
+        self.url = a.opd_teacher_url
+        if self.url is None:
+            from sluiceway.models.zoo import resolve_checkpoint
+
+            engine_args = (
+                "--max-running-requests", "1", "--max-total-len", str(engine_max_total_len(cfg)),
+                "--dtype", "bfloat16" if cfg.training.bf16 else "float32",
+                "--num-threads", str(embedded_engine_threads(cfg)),
+            )  # fmt: skip  (scoring takes no KV cache slot: one is the least an engine holds)
+            model = str(resolve_checkpoint(a.opd_teacher_load))
+            self.pool = EnginePool(model, 1, run_dir / "logs" / "teacher", engine_args=engine_args, env=child_env())
+            self.pool.spawn()
+
+    def wait_ready(self, loop: BackgroundLoop) -> TeacherEngine:
+        if self.client is not None:
+            return self
+        self.loop = loop
+        if self.pool is not None:
+            self.pool.wait_ready()
+            self.url = self.pool.urls[0]
+        self.client = self.loop.run(self._make_client(self.url))
+        log.info("on-policy distillation teacher: %s", self.url)
+        return self
+
+    async def _make_client(self, url: str) -> EngineClient:
+        return EngineClient(url, [url])
+
+    def close(self) -> None:
+        try:
+            if self.client is not None:
+                self.loop.run(self.client.aclose())
+        finally:
+            if self.pool is not None:
+                self.pool.close()

@@ -163,6 +163,29 @@ def preflight(cfg: RunConfig, command: str) -> None:
         check_lengths(cfg, hf)
     if hf is not None:
         check_memory(cfg, hf, command)
+    if command in ("run", "replay"):
+        check_teacher(cfg, hf)
+
+
+def check_teacher(cfg: RunConfig, student: dict | None) -> None:
+    """On-policy distillation's opd_teacher_load: a model directory (or zoo name) whose vocabulary is the student's
+    (the teacher scores the student's token ids), checked from the config.json files before anything starts."""
+    a = cfg.algorithm
+    if not a.use_opd or a.opd_teacher_load is None:
+        return
+    try:
+        check_model(a.opd_teacher_load)
+        teacher = model_config(a.opd_teacher_load)
+    except UserError as e:
+        raise UserError(str(e).replace("--hf-checkpoint", "--opd-teacher-load", 1)) from None
+    if teacher is None or student is None:
+        return
+    tv, sv = teacher.get("vocab_size"), student.get("vocab_size")
+    if tv != sv:
+        raise UserError(
+            f"--opd-teacher-load {a.opd_teacher_load}: a vocabulary of {tv} tokens, the student's"
+            f" ({cfg.training.hf_checkpoint}) has {sv}: the teacher must share the student's tokenizer"
+        )
 
 
 def check_memory(cfg: RunConfig, hf: dict, command: str) -> None:

@@ -144,7 +144,7 @@ def replay_train_task(run_id: str, step: int) -> dict:
     run = TRAINING_RUNS.get(run_id)
     a = run.cfg.algorithm
     samples, metrics = step_batch(run.prep.source, step, a.advantage_estimator, a.normalize_advantages_by_std)
-    metrics.update({f"train/{k}": v for k, v in run.trainer.train_rollout(samples, step).items()})
+    metrics.update({k if "/" in k else f"train/{k}": v for k, v in run.trainer.train_rollout(samples, step).items()})
     metrics["weight_version"] = float(run.trainer.weight_version)
     metrics["replay/table_version"] = float(run.prep.source.version)
     return metrics

@@ -36,6 +36,7 @@ from sluiceway.tasks.filter.filters import build_filters
 from sluiceway.tasks.reward.score import score_step
 from sluiceway.tasks.rollout.prompts import adaptive_step_prompts, eval_rollout_settings
 from sluiceway.tasks.rollout.rollout import plan_step, prompt_indices_for_step, run_rollout
+from sluiceway.tasks.rollout.teacher import score_step_with_teacher
 from sluiceway.tasks.train.batch import build_train_samples, max_staleness, rollout_metrics
 
 # The model state lives in the process, so Prefect must not cache these tasks; idempotency comes from
@@ -120,6 +121,16 @@ def reward_task(run_id: str, step: int) -> dict:
     return out
 
 
+@task(name="teacher", cache_policy=NO_CACHE, persist_result=False)
+@_ledgered("teacher")
+def teacher_task(run_id: str, step: int) -> dict:
+    """On-policy distillation (opd_type sglang): the teacher scores the step's samples into the table, once;
+    a resumed step finds the stage in the ledger (and the log-probs in the table) and asks nothing."""
+    rt = runtime.get(run_id)
+    rt.console.update(f"teacher step {step + 1}", 0, 1)
+    return dataclasses.asdict(rt.engines.run(score_step_with_teacher(rt.teacher.client, rt.store, run_id, step)))
+
+
 @task(name="filter", cache_policy=NO_CACHE, persist_result=False)
 @_ledgered("filter")
 def filter_task(run_id: str, step: int) -> dict:
@@ -138,7 +149,8 @@ def train_task(run_id: str, step: int) -> dict:
     trained_at = rt.trainer.weight_version  # the version these samples update
     started = time.time()
     rt.console.update(f"train step {step + 1}", 0, 1)
-    metrics.update({f"train/{k}": v for k, v in rt.trainer.train_rollout(samples, step).items()})
+    # Trainer metrics are train/NAME; those named GROUP/NAME keep their group (opd/reverse_kl).
+    metrics.update({k if "/" in k else f"train/{k}": v for k, v in rt.trainer.train_rollout(samples, step).items()})
     metrics["weight_version"] = float(rt.trainer.weight_version)
     metrics["time/train_start"], metrics["time/train_end"] = started, time.time()
     metrics["rollout/staleness_max"] = float(max_staleness(table, trained_at))
@@ -235,6 +247,8 @@ class _Stages:
         self.checkpoint = checkpoint_task.with_options(**retry)
         self.upkeep = upkeep_task.with_options(**retry)
         self.filter = filter_task
+        a = cfg.algorithm
+        self.teacher = teacher_task.with_options(**retry) if a.use_opd and a.opd_type == "sglang" else None
         self.train = train_task  # a failed optimizer step is not retried: it may have half-applied
         mode = cfg.rollout.mode
         self.ahead = {"sync": 0, "one-step-off": 1}.get(mode, cfg.rollout.max_staleness or 2)
@@ -248,18 +262,22 @@ class _Stages:
             wait = [self.last] if self.last is not None else []
             roll = self.rollout.submit(self.cfg.run_id, s, wait_for=wait)
             rew = self.reward.submit(self.cfg.run_id, s, wait_for=[roll])
-            self.pending[s] = (roll, rew)
-            self.last = rew
+            # OPD: the teacher scores the step after its rewards, still ahead of training in the async modes.
+            tea = self.teacher.submit(self.cfg.run_id, s, wait_for=[rew]) if self.teacher is not None else None
+            self.pending[s] = (roll, rew, tea)
+            self.last = tea if tea is not None else rew
 
     def generated(self, step: int) -> tuple[dict, dict]:
-        roll, rew = self.pending.pop(step)
-        return roll.result(), rew.result()
+        """The step's rollout and reward results (with OPD, the teacher stage's under the reward's "teacher")."""
+        roll, rew, tea = self.pending.pop(step)
+        return roll.result(), rew.result() | ({"teacher": tea.result()} if tea is not None else {})
 
     def wait_in_flight(self) -> None:
-        for _, rew in self.pending.values():
-            rew.wait()
-            if rew.state.is_failed():
-                rew.result()  # raises the stage's error here, on the flow's thread
+        for _, rew, tea in self.pending.values():
+            last = tea if tea is not None else rew
+            last.wait()
+            if last.state.is_failed():
+                last.result()  # raises the stage's error here, on the flow's thread
 
     def sync(self, run_id: str, step: int) -> dict:
         return self.sync_(run_id, step)
@@ -327,6 +345,10 @@ def _run_steps(cfg: RunConfig) -> dict:
                     **rew.get("levels", {}),
                 }
             )
+            if "teacher" in rew:  # requests this process sent (0 for a step whose scores were already stored)
+                tea = rew["teacher"]
+                m["opd/teacher_requests"] = 0.0 if tea.get("resumed") else float(tea["requests"])
+                m["opd/teacher_stored"] = float(tea["stored"])
             d = cfg.durability
             call_retrying(append_metrics, rt.store, cfg.run_id, step, m, "train", retries=d.stage_retries,
                           backoff_s=d.retry_backoff_s, what=f"storing step {step + 1}'s metrics")  # fmt: skip

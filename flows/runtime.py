@@ -14,7 +14,7 @@ from pathlib import Path
 
 from sluiceway.flows.config import RunConfig
 from sluiceway.flows.console import ProgressLine
-from sluiceway.flows.engines import RolloutEngines
+from sluiceway.flows.engines import RolloutEngines, TeacherEngine
 from sluiceway.flows.scaffold import Registry, build_run_trainer, check_device, close_trainer, make_run_dir, open_store
 from sluiceway.infra.errors import UserError
 from sluiceway.infra.sglang_launcher import require_sglang
@@ -95,6 +95,7 @@ class Runtime:
     trainer: PolicyTrainer | RemoteTrainer
     console: ProgressLine = field(default_factory=ProgressLine)
     _publisher: WeightPublisher | None = field(default=None, repr=False)  # update_weight_mode delta
+    teacher: TeacherEngine | None = None  # use_opd with opd_type sglang: the engine that scores each sample
 
     # Shortcuts used by the stages.
     store = property(lambda self: self.prep.store)
@@ -118,22 +119,37 @@ class Runtime:
         early = take_early_engines(cfg.run_id)
         if early is None and embedded:
             early = RolloutEngines(cfg, prep.hf_dir, run_dir, wait=False)
+        a = cfg.algorithm
+        teacher = None
         try:
+            if a.use_opd and a.opd_type == "sglang":  # its engine (if the run starts one) loads beside the others
+                teacher = TeacherEngine(cfg, run_dir)
             trainer = build_run_trainer(cfg, prep.hf_dir, prep.tokenizer, run_dir, total_iters)
         except BaseException:
-            if early is not None:
-                early.close()
+            for started in (early, teacher):
+                if started is not None:
+                    started.close()
             raise
         try:
             engines = early.wait_ready() if early is not None else RolloutEngines(cfg, prep.hf_dir, run_dir)
+            if teacher is not None:
+                teacher.wait_ready(engines.loop)
         except BaseException:
             close_trainer(trainer)
+            if teacher is not None:
+                teacher.close()
             raise
-        return cls(cfg, run_dir, prep, engines, trainer, ProgressLine(enabled=not cfg.logging.quiet))
+        rt = cls(cfg, run_dir, prep, engines, trainer, ProgressLine(enabled=not cfg.logging.quiet))
+        rt.teacher = teacher
+        return rt
 
     def close(self) -> None:
-        self.engines.close()
-        close_trainer(self.trainer)
+        try:
+            if self.teacher is not None:
+                self.teacher.close()
+        finally:
+            self.engines.close()
+            close_trainer(self.trainer)
 
     def _weight_publisher(self) -> WeightPublisher:
         if self._publisher is None:  # one per process: it holds the last version in memory to diff against

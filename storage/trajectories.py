@@ -72,8 +72,13 @@ TRAJECTORY_SCHEMA = pa.schema(
         pa.field("metadata", pa.string(), nullable=False),  # JSON object
         # null: the group is trained on; else why not ("surplus" beyond the step's need, a filter's name, ...)
         pa.field("filter_reason", pa.string()),
+        # On-policy distillation: the teacher's log-prob of each response token (null: not scored). Added after
+        # the tables above existed: an older table gets the column on its first write (`_evolve`).
+        pa.field("teacher_logprobs", pa.list_(pa.float32())),
     ]
 )
+# Nullable columns added to the schema over time: a table made before one of them reads it as nulls.
+ADDED_COLUMNS = ("teacher_logprobs",)
 
 
 
@@ -105,6 +110,7 @@ class TrajectoryRow(TypedDict):
     created_at: _dt.datetime
     metadata: str
     filter_reason: str | None
+    teacher_logprobs: list[float] | None
 
 
 def is_finished(row: TrajectoryRow) -> bool:
@@ -132,6 +138,7 @@ _ROW_DEFAULTS: dict[str, Any] = {
     "reward_details": None,
     "metadata": "{}",
     "filter_reason": None,
+    "teacher_logprobs": None,
 }
 _JSON_FIELDS = ("reward_details", "metadata")
 
@@ -148,6 +155,7 @@ def append_trajectories(store: ObjectStore, rows: list[dict[str, Any]] | pa.Tabl
         raise ValueError("append_trajectories: no rows")
     table = conform(table, TRAJECTORY_SCHEMA, what="trajectory")
     validate_trajectories(table)
+    _evolve(store)
     return append_idempotent(store, TRAJECTORIES, table, app_id=app_id, partition_by=PARTITION_BY)
 
 
@@ -158,6 +166,7 @@ def append_trajectory_groups(store: ObjectStore, groups: list[tuple[list[dict[st
         table = conform(_rows_to_table(rows), TRAJECTORY_SCHEMA, what="trajectory")
         validate_trajectories(table)
         items.append((table, app_id))
+    _evolve(store)
     return append_idempotent_many(store, TRAJECTORIES, items, partition_by=PARTITION_BY)
 
 
@@ -206,6 +215,7 @@ def update_samples(
     if len(set(keys)) != len(keys):
         raise ValueError(f"{what}: duplicate (group_id, sample_index) keys for {run_id} step {step}")
     with WRITE_LOCK:
+        _evolve(store)
         current = read_trajectories(store, run_id, step)
         where = {k: n for n, k in enumerate(zip(current.column("group_id").to_pylist(),
                                                 current.column("sample_index").to_pylist(), strict=True))}
@@ -251,6 +261,12 @@ def set_rewards(
     return update_samples(store, run_id, step, [(g, i) for g, i, _, _ in rewards], columns, "set_rewards")
 
 
+def set_teacher_logprobs(store: ObjectStore, run_id: str, step: int, scored: list[tuple[int, int, list[float]]]) -> int:
+    """Store the teacher's per-response-token log-probs of ``(group_id, sample_index, logprobs)`` of one step."""
+    columns = {"teacher_logprobs": pa.array([list(lp) for _, _, lp in scored], pa.list_(pa.float32()))}
+    return update_samples(store, run_id, step, [(g, i) for g, i, _ in scored], columns, "set_teacher_logprobs")
+
+
 def set_filter_reasons(store: ObjectStore, run_id: str, step: int, reasons: list[tuple[int, int, str | None]]) -> int:
     """Mark samples as dropped from training (reason) or kept (None); dropped rows stay in the table."""
     columns = {"filter_reason": pa.array([r for _, _, r in reasons], pa.string())}
@@ -268,6 +284,7 @@ def compact_steps(store: ObjectStore, run_id: str, done_before: int, block_steps
     if not table_exists(store, TRAJECTORIES):
         return 0
     replaced = 0
+    _evolve(store)
     with WRITE_LOCK, store.redacting():
         dt = open_table(store, TRAJECTORIES)
         if "step" in dt.metadata().partition_columns:
@@ -309,9 +326,9 @@ def validate_trajectories(table: pa.Table) -> None:
             f"expected one of {list(STATUSES)}"
         )
     n_resp = pc.list_value_length(table.column("response_token_ids"))
-    for name, may_be_empty in (("loss_mask", False), ("rollout_logprobs", True)):
+    for name, may_be_empty in (("loss_mask", False), ("rollout_logprobs", True), ("teacher_logprobs", True)):
         n = pc.list_value_length(table.column(name))
-        bad = pc.not_equal(n, n_resp)
+        bad = pc.fill_null(pc.not_equal(n, n_resp), False)  # a null list (teacher_logprobs not scored) is fine
         if may_be_empty:
             bad = pc.and_(bad, pc.not_equal(n, 0))
         if pc.any(bad).as_py():
@@ -383,7 +400,31 @@ STEP_CACHE_SIZE = 4
 
 
 def _typed(table: pa.Table) -> pa.Table:
+    for name in ADDED_COLUMNS:  # a table (or an old version of one) from before the column: nulls
+        if name not in table.column_names:
+            field = TRAJECTORY_SCHEMA.field(name)
+            table = table.append_column(field, pa.nulls(table.num_rows, field.type))
     return table.select(TRAJECTORY_SCHEMA.names).cast(TRAJECTORY_SCHEMA).sort_by(SORT_KEYS)
+
+
+def _evolve(store: ObjectStore) -> None:
+    """Add the ADDED_COLUMNS an existing table lacks (nullable, so its old rows read as nulls), before a write:
+    appends, in-place updates and compaction all write the schema of TRAJECTORY_SCHEMA. Old table versions stay
+    readable (time travel reads them with the schema they had; `_typed` adds the nulls). Checked once per handle."""
+    if not table_exists(store, TRAJECTORIES):
+        return
+    h = handles.handle(store, TRAJECTORIES)
+    if h.views.get("evolved"):
+        return
+    with WRITE_LOCK, store.redacting():
+        dt = h.latest()
+        missing = [TRAJECTORY_SCHEMA.field(n) for n in ADDED_COLUMNS if n not in table_schema(dt).names]
+        if missing:
+            from deltalake.schema import Field as DeltaField
+
+            dt.alter.add_columns([DeltaField.from_arrow(f) for f in missing])
+            h.latest()
+        h.views["evolved"] = True
 
 
 def _step_dataset(h: handles.Handle, run_id: str, step: int, refresh: bool = True):

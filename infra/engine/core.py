@@ -219,6 +219,8 @@ class Engine:
             "prefill_tokens": 0,
             "shared_prefill_tokens": 0,  # prompt tokens whose KV was copied from a row with the same prompt
             "finished_requests": 0,
+            "scored_requests": 0,  # `score` calls (input-token log-probs: the OPD teacher's work)
+            "scored_tokens": 0,
         }
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._thread.start()
@@ -289,6 +291,29 @@ class Engine:
             self._waiting.append(seq)
             self._cv.notify_all()
         return handle
+
+    def score(self, input_ids: list[int], start: int = 0) -> list[float | None]:
+        """Log-probs of the given tokens under the model: entry j is log p(input_ids[start + j] | the tokens before
+        it), None for position 0 (nothing before it). SGLang's `input_token_logprobs` for `logprob_start_len`
+        start: the unscaled distribution (temperature 1, no truncation), one forward pass over the sequence.
+
+        Runs on the scheduler thread between two steps, so it sees one set of weights (as a decode step does).
+        """
+        if not input_ids:
+            raise EngineError("empty input: give a non-empty text or input_ids")
+        self.check_request(GenerateRequest(list(input_ids), SamplingParams(max_new_tokens=1)))
+        if not 0 <= start < len(input_ids):
+            raise EngineError(f"logprob_start_len {start} is outside the input's {len(input_ids)} tokens")
+
+        def do() -> list[float | None]:
+            ids = torch.tensor([input_ids], dtype=torch.long)
+            logits = self.runner.forward_full(ids)[0, :-1].float()  # position t predicts token t+1
+            lps = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+            self.stats["scored_requests"] += 1
+            self.stats["scored_tokens"] += len(input_ids)
+            return ([None] + lps)[start:]
+
+        return self._control(do)
 
     def generate(self, requests: list[GenerateRequest], timeout: float | None = None) -> list[GenerateOutput]:
         """Blocking convenience: submit all, wait for all (order preserved)."""

@@ -3,7 +3,9 @@ are interchangeable behind one client (docs/design.md, Contracts).
 
 Field names, response shapes and status codes follow sglang's `http_server.py` / `io_struct.py`:
 `/generate` (text or input_ids, single or batched; SSE streaming with cumulative `text`/`output_ids`, as
-SGLang streams by default), `/health`, `/health_generate`, `/model_info`, `/server_info` (+ `/get_` aliases),
+SGLang streams by default; `return_logprob` with `logprob_start_len` adds `meta_info.input_token_logprobs`, and
+`max_new_tokens` 0 only scores the input: on-policy distillation's teacher call), `/health`, `/health_generate`,
+`/model_info`, `/server_info` (+ `/get_` aliases),
 `/flush_cache`, `/abort_request`, `/pause_generation`, `/continue_generation`, `/update_weights_from_disk`,
 `/update_weight_version`, and OpenAI's `/v1/models`, `/v1/chat/completions` (non-streaming).
 
@@ -71,12 +73,11 @@ _SAMPLING_DEFAULT_ONLY: dict[str, Any] = {
     "stream_interval": None,
 }
 # Top-level /generate fields: handled, or accepted when they ask for nothing this engine lacks.
-_GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "stream"}
+_GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "stream", "logprob_start_len"}
 _GENERATE_DEFAULT_ONLY: dict[str, Any] = {
     # sglang-router 0.3.2 re-serialises /generate and adds these at their defaults (see infra/router.py).
     "model": None,
     "return_bytes": False,
-    "logprob_start_len": -1,
     "top_logprobs_num": 0,
     "token_ids_logprob": None,
     "return_text_in_logprobs": False,
@@ -220,7 +221,11 @@ class EngineServer:
         self.app = self._build()
 
     # ------------------------------------------------------------------------------------------ /generate
-    def _to_requests(self, body: dict[str, Any]) -> tuple[list[GenerateRequest], list[bool], bool]:
+    def _to_requests(
+        self, body: dict[str, Any]
+    ) -> tuple[list[GenerateRequest], list[bool], bool, list[int | None], list[bool]]:
+        """(requests, return_logprob per request, batched?, logprob_start_len per request (None: no input-token
+        log-probs), score only per request (max_new_tokens 0: the input's log-probs, nothing generated))."""
         for k, v in body.items():
             if k in _GENERATE_FIELDS:
                 continue
@@ -281,15 +286,34 @@ class EngineServer:
             reqs.append(GenerateRequest(list(prompts[i]), parse_sampling_params(sps[i], where), rids[i]))
             if rlp[i] is not None and not isinstance(rlp[i], bool):
                 raise BadRequest("return_logprob must be a boolean or a list of booleans")
+        # max_new_tokens 0 (SGLang's way to score a given sequence): checked as a one-token request, never run.
+        score_only = [r.sampling.max_new_tokens == 0 for r in reqs]
+        for r, only in zip(reqs, score_only, strict=True):
+            if only:
+                r.sampling.max_new_tokens = 1
         for r in reqs:
             try:
                 self.engine.check_request(r)
             except EngineError as e:
                 raise BadRequest(str(e)) from None
+        starts: list[int | None] = []
+        for r, start, want in zip(reqs, _per_item(body.get("logprob_start_len"), n, "logprob_start_len", batched),
+                                  rlp, strict=True):  # fmt: skip
+            if start is None or start == -1:
+                starts.append(None)  # SGLang's default -1: output-token log-probs only
+                continue
+            if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < len(r.input_ids):
+                raise BadRequest(
+                    f"logprob_start_len must be -1 or an integer in [0, {len(r.input_ids)}) for an input of "
+                    f"{len(r.input_ids)} tokens, got {start!r}"
+                )
+            starts.append(start if want else None)  # without return_logprob nothing is returned
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadRequest("stream must be a boolean")
-        return reqs, [bool(x) for x in rlp], batched
+        if stream and any(score_only):
+            raise BadRequest("max_new_tokens 0 (scoring the input) cannot be streamed")
+        return reqs, [bool(x) for x in rlp], batched, starts, score_only
 
     def _meta(
         self,
@@ -323,21 +347,40 @@ class EngineServer:
             ),
         }
 
+    async def _input_logprobs(self, req: GenerateRequest, start: int) -> list[list[Any]]:
+        """SGLang's meta_info.input_token_logprobs: [logprob, token id, None] from position `start` on."""
+        lps = await asyncio.to_thread(self.engine.score, req.input_ids, start)
+        return [[lp, t, None] for lp, t in zip(lps, req.input_ids[start:], strict=True)]
+
     async def generate(self, body: dict[str, Any]):
         t0 = time.perf_counter()
-        reqs, rlp, batched = self._to_requests(body)
+        reqs, rlp, batched, starts, score_only = self._to_requests(body)
         loop = asyncio.get_running_loop()
         if not body.get("stream", False):
             handles = []
             try:
-                for r in reqs:
-                    handles.append(self.engine.submit(r))
+                for r, only in zip(reqs, score_only, strict=True):
+                    handles.append(None if only else self.engine.submit(r))
             except EngineError as e:
                 for h in handles:
-                    self.engine.abort(h.rid)
+                    if h is not None:
+                        self.engine.abort(h.rid)
                 raise BadRequest(str(e)) from None
-            outs = [await asyncio.wrap_future(h.future) for h in handles]
-            items = [self._item(o, lp, t0) for o, lp in zip(outs, rlp, strict=True)]
+            items = []
+            for r, h, lp, start in zip(reqs, handles, rlp, starts, strict=True):
+                if h is None:  # score only: nothing generated, finish_reason length 0 (as SGLang)
+                    rid = r.rid or f"req-{uuid.uuid4().hex[:16]}"
+                    out = GenerateOutput(rid, len(r.input_ids), [], [], {"type": "length", "length": 0},
+                                         self.engine.weight_version, text="")  # fmt: skip
+                else:
+                    out = await asyncio.wrap_future(h.future)
+                item = self._item(out, lp, t0)
+                if start is not None:
+                    try:
+                        item["meta_info"]["input_token_logprobs"] = await self._input_logprobs(r, start)
+                    except EngineError as e:
+                        raise BadRequest(str(e)) from None
+                items.append(item)
             return items if batched else items[0]
 
         queue: asyncio.Queue[tuple[int, StreamChunk]] = asyncio.Queue()

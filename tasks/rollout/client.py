@@ -153,6 +153,50 @@ class EngineClient:
         tries = self.max_retries + 1
         raise EngineCallError(f"rid {rid}: {self.router_url}/generate failed {tries} times; last: {last}")
 
+    async def score(self, input_ids: list[int], start: int, rid: str) -> list[float]:
+        """Log-probs the engine's model gives the tokens ``input_ids[start:]`` (each after the tokens before it):
+        SGLang's scoring call, ``max_new_tokens`` 0 with ``logprob_start_len`` 0, of which the entries from
+        ``start`` on are kept (the on-policy distillation teacher scoring a response: ``start`` = prompt length).
+        Asking from position 0 works the same on every SGLang version (the first entry, position 0, is null).
+        Retried as `generate` is; raises EngineCallError if the answer does not cover the tokens."""
+        if not 1 <= start < len(input_ids):
+            raise ValueError(f"score: start {start} must be in [1, {len(input_ids)})")
+        body = {
+            "input_ids": list(input_ids),
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "rid": rid,
+        }
+        last = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(min(self.retry_backoff_s * 2 ** (attempt - 1), 10.0))
+            try:
+                r = await self._http.post(f"{self.router_url}/generate", json=body)
+            except (httpx.ReadTimeout, httpx.WriteTimeout) as e:
+                raise EngineCallError(f"rid {rid}: no answer from {self.router_url} in time ({e!r})") from e
+            except httpx.TransportError as e:
+                last = f"{type(e).__name__}: {e}"
+                continue
+            if r.status_code >= 500:
+                last = f"{r.status_code} {_error_text(r)}"
+                continue
+            if r.status_code >= 400:
+                answer = f"{r.status_code}: {_error_text(r)}"
+                raise EngineCallError(f"rid {rid}: {self.router_url}/generate answered {answer}")
+            answer = r.json()
+            meta = (answer[0] if isinstance(answer, list) else answer).get("meta_info") or {}
+            pairs = meta.get("input_token_logprobs") or []
+            if len(pairs) != len(input_ids) or [int(p[1]) for p in pairs] != [int(t) for t in input_ids]:
+                raise EngineCallError(
+                    f"rid {rid}: {self.router_url} scored {len(pairs)} input tokens for {len(input_ids)} sent, or "
+                    "other token ids (input_token_logprobs must cover the input from position 0)"
+                )
+            return [float(p[0]) for p in pairs[start:]]
+        tries = self.max_retries + 1
+        raise EngineCallError(f"rid {rid}: {self.router_url}/generate (scoring) failed {tries} times; last: {last}")
+
     # --- control: each engine --------------------------------------------------------------------------------
 
     async def _call(self, method: str, url: str, path: str, json: dict | None, timeout: float | None) -> Any:

@@ -25,6 +25,7 @@ class TrainSample:
     advantage: float
     rollout_logprobs: list[float]  # per response token, from the engine
     reward: float = 0.0  # the token-level estimators (ppo, reinforce_plus_plus) compute advantages from it
+    teacher_logprobs: list[float] | None = None  # per response token, on-policy distillation's teacher (stored)
 
 
 def trainable_rows(table: pa.Table) -> list[dict]:
@@ -52,6 +53,7 @@ def build_train_samples(table: pa.Table, estimator: str, normalize_by_std: bool)
             advantage=float(a),
             rollout_logprobs=r["rollout_logprobs"],
             reward=float(r["reward"]),
+            teacher_logprobs=r.get("teacher_logprobs"),
         )
         for r, a in zip(rows, adv.tolist())
         if r["response_token_ids"]  # an empty response has no token to train on

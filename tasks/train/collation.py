@@ -37,6 +37,7 @@ class MicroBatch:
     rewards: torch.Tensor | None = None  # [n], for the token-level estimators
     position_ids: torch.Tensor | None = None  # [rows, s] RoPE positions, laid-out rows only
     targets: torch.Tensor | None = None  # [n, w-1] the token at t+1 of each sample, laid-out rows only
+    teacher_logp: torch.Tensor | None = None  # [n, w-1] OPD's stored teacher log-probs, when every sample has them
 
     def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(**{k: t.to(device) if isinstance(t, torch.Tensor) else t for k, t in vars(self).items()})
@@ -67,11 +68,17 @@ def collate(samples: list[TrainSample], pad_id: int, rows: list[list[int]] | Non
         mask[i, span] = torch.tensor(s.loss_mask, dtype=torch.float32)
         adv[i, span] = s.advantage
         rlp[i, span] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+    teacher = None
+    if samples and all(s.teacher_logprobs is not None for s in samples):
+        teacher = torch.zeros((n, w - 1))
+        for i, s in enumerate(samples):
+            p, r = len(s.prompt_token_ids), len(s.response_token_ids)
+            teacher[i, p - 1 : p - 1 + r] = torch.tensor(s.teacher_logprobs, dtype=torch.float32)
     if rows is None:
         ids = torch.full((n, w), pad_id, dtype=torch.long)
         for i, s in enumerate(samples):
             ids[i, : lengths[i]] = torch.tensor(s.prompt_token_ids + s.response_token_ids)
-        return MicroBatch(ids, mask, adv, rlp, rewards=rewards)
+        return MicroBatch(ids, mask, adv, rlp, rewards=rewards, teacher_logp=teacher)
     layouts = [_lay_out_row([samples[i] for i in row]) for row in rows]
     width = max(len(tokens) for tokens, *_ in layouts)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -89,7 +96,7 @@ def collate(samples: list[TrainSample], pad_id: int, rows: list[list[int]] | Non
             sample = samples[i]
             targets[i, : lengths[i] - 1] = torch.tensor((sample.prompt_token_ids + sample.response_token_ids)[1:])
     return MicroBatch(ids, mask, adv, rlp, packed_attention_mask(segments, members), unpack, rewards,
-                       position_ids=positions, targets=targets)  # fmt: skip
+                       position_ids=positions, targets=targets, teacher_logp=teacher)  # fmt: skip
 
 
 def _lay_out_row(samples: list[TrainSample]):

@@ -48,6 +48,7 @@ from sluiceway.tasks.train.critic import Critic, needs_reference, token_advantag
 from sluiceway.tasks.train.losses import policy_objective, sft_objective
 from sluiceway.tasks.train.lr_schedule import lr_schedule
 from sluiceway.tasks.train.micro_batches import plan_micro_batches, shard_for_rank
+from sluiceway.tasks.train.opd import build_teacher_model, micro_batch_opd
 from sluiceway.tasks.train.optim import adamw, step_master_weights
 from sluiceway.tasks.train.parallel import gather_tensor_parallel, is_tensor_parallel, reduce_step_metrics
 from sluiceway.tasks.train.zero import ShardedAdamW, state_bytes
@@ -104,6 +105,10 @@ class PolicyTrainer:
             self.ref_model = build_gpt_model(self.hf_config, dtype=dtype, device=self.device)
             load_hf_weights(self.ref_model, hf_state, self.hf_config)
             self.ref_model.eval().requires_grad_(False)
+        # --use-opd --opd-type megatron: the frozen teacher scores each micro-batch (tasks/train/opd.py).
+        self.teacher_model = None
+        if algorithm.use_opd and algorithm.opd_type == "megatron":
+            self.teacher_model = build_teacher_model(algorithm.opd_teacher_load, self.hf_config, dtype, self.device)
         # --use-distributed-optimizer: this DP rank keeps a shard of the masters and moments (tasks/train/zero.py).
         self.zero = None
         if training.use_distributed_optimizer:
@@ -199,8 +204,12 @@ class PolicyTrainer:
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref_logp = self._logprobs(self.ref_model, mb)[0]
+            advantages = mb.advantages
+            if self.algorithm.use_opd:  # A - opd_kl_coef x (student - teacher log-prob): tasks/train/opd.py
+                advantages, kl = micro_batch_opd(mb, old, self.algorithm.opd_kl_coef, self._teacher_logp)
+                sums["opd/reverse_kl"] = sums.get("opd/reverse_kl", 0.0) + float(kl.sum()) / st.n_tokens
             loss, stats = policy_objective(
-                logp, old, mb.advantages, mb.mask, self.algorithm, entropy=entropy, rollout_logp=mb.rollout_logp,
+                logp, old, advantages, mb.mask, self.algorithm, entropy=entropy, rollout_logp=mb.rollout_logp,
                 ref_logp=ref_logp, n_tokens=st.n_tokens, n_seqs=st.n_seqs,
                 max_response_len=float(self.max_response_len or st.longest),
             )  # fmt: skip
@@ -209,6 +218,11 @@ class PolicyTrainer:
                 sums[k] = max(sums[k], v) if k == "logprob_mismatch_max" else sums.get(k, 0.0) + v  # + tis_<name>
         # Each DP rank holds shares of global sums; TP ranks of one DP rank computed the same values.
         return reduce_step_metrics(sums, max_keys=("logprob_mismatch_max",))
+
+    @torch.no_grad()
+    def _teacher_logp(self, mb: MicroBatch) -> torch.Tensor | None:
+        """The megatron-mode teacher's log-probs of the micro-batch's tokens (its unscaled distribution), or None."""
+        return None if self.teacher_model is None else self._logprobs(self.teacher_model, mb, temperature=1.0)[0]
 
     def _optimizer_step(self, st: OptimizerStep, old_logps: list[torch.Tensor] | None) -> dict[str, float]:
         sums = self._accumulate(st, old_logps)

@@ -31,7 +31,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 NAN, INF = float("nan"), float("inf")
 # Per sampling field: values that are out of range, or not a number that float() can hold.
 BAD_NUMBERS = {
-    "max_new_tokens": [0, -1, 2**31, 10**30, -(10**30), 2**63],
+    "max_new_tokens": [-1, 2**31, 10**30, -(10**30), 2**63],  # 0 is SGLang's scoring call (input log-probs)
     "top_k": [0, -2, 2**31, 10**30, -(10**30), 2**64],
     "sampling_seed": [-1, 2**63, 10**30, -(10**30)],
     "min_new_tokens": [-1, 7, 10**30],

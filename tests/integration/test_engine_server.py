@@ -281,7 +281,8 @@ def test_openai_chat_completions(server):
 
 BAD_GENERATE = [
     {"input_ids": [1, 2], "sampling_params": {"bogus": 1}},
-    {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 0}},
+    {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 0}, "stream": True},  # scoring is not streamed
+    {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2},  # past the input
     {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -3}},
     {"input_ids": [1, 99999]},
     {"input_ids": [1, -1]},

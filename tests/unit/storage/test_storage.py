@@ -278,7 +278,8 @@ def test_trajectory_roundtrip(store):
     assert keys == [(0, 0), (0, 1), (1, 0), (1, 1)]
     got = step0.slice(3, 1).to_pylist()[0]
     want = sample_row(0, 1, 1)
-    want.update(metadata=json.dumps(want["metadata"]), reward=None, reward_details=None, filter_reason=None)
+    want.update(metadata=json.dumps(want["metadata"]), reward=None, reward_details=None, filter_reason=None,
+                teacher_logprobs=None)  # fmt: skip
     assert got == want  # token ids, log-probs, mask and timestamps come back exactly
 
     everything = read_trajectories(store, "run-a")

@@ -26,6 +26,9 @@ def test_trajectory_row_has_the_tables_fields_and_types():
     for f in TRAJECTORY_SCHEMA:
         hint = hints[f.name]
         if pa.types.is_list(f.type):
+            if f.nullable:  # list[X] | None
+                hint, none = typing.get_args(hint)
+                assert none is type(None), f.name
             assert typing.get_origin(hint) is list, f.name
         else:
             want = ARROW_TO_PY[f.type]

@@ -1,0 +1,81 @@
+"""On-policy distillation (OPD): the teacher's log-probs of the student's own sampled tokens, as an advantage term.
+
+The student samples a response; a teacher (a frozen model with the student's vocabulary) scores the same token ids;
+each trained token's advantage is shifted by the per-token reverse KL (as slime's --use-opd, and Agarwal et al.
+2024, "On-Policy Distillation of Language Models"; Thinking Machines' "On-Policy Distillation", 2025):
+
+    kl_t = log pi_student(y_t | x, y_<t) - log pi_teacher(y_t | x, y_<t)        (on the sampled token y_t)
+    A'_t = A_t - opd_kl_coef * kl_t                                             (trained tokens; 0 elsewhere)
+
+kl_t is a one-sample estimate of KL(pi_student || pi_teacher) at position t: its expectation over y_t ~ pi_student
+is the reverse KL. It is a constant of the loss (no gradient through either log-prob): the policy-gradient loss
+then raises the student's probability of tokens the teacher likes more than the student does (kl_t < 0) and lowers
+the rest, which minimises the sequence-level reverse KL. A_t is the configured estimator's advantage (GRPO, RLOO,
+PPO's GAE, ...), so OPD adds to any of them; with a task reward that is always 0 every A_t is 0 and the objective is
+pure distillation.
+
+The student's log-probs are the trainer's, before the step's update (the PPO old policy: at the rollout
+temperature, the distribution the student samples from); the teacher's are its unscaled distribution (temperature
+1, what SGLang's input_token_logprobs report), the target the sampled distribution is pulled to.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.no_grad()
+def opd_advantages(
+    advantages: torch.Tensor,
+    student_logp: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A - kl_coef * (student_logp - teacher_logp) on the trained tokens, the per-token reverse KL there).
+
+    All tensors [n, t] in one layout; `mask` 1 on trained tokens. Outside the mask the advantages are returned
+    unchanged and the KL is 0. No gradient flows (the log-probs are detached).
+    """
+    m = mask.to(torch.float32)
+    kl = (student_logp.detach().float() - teacher_logp.detach().float()) * m
+    return advantages - kl_coef * kl.to(advantages.dtype), kl
+
+
+def micro_batch_opd(mb, student_logp: torch.Tensor, kl_coef: float, teacher_logp_fn=None):
+    """`opd_advantages` for one micro-batch (tasks/train/collation.py): the teacher's log-probs are the stored ones
+    (opd_type sglang, or any replay of a run that stored them), else `teacher_logp_fn(mb)` (opd_type megatron's
+    model in the trainer). Returns (advantages, per-token reverse KL)."""
+    teacher = mb.teacher_logp
+    if teacher is None and teacher_logp_fn is not None:
+        teacher = teacher_logp_fn(mb)
+    if teacher is None:
+        raise RuntimeError(
+            "use_opd: these samples have no teacher log-probs (the trajectories' teacher_logprobs column is null "
+            "and no teacher model is loaded): score them with opd_type sglang, or use opd_type megatron"
+        )
+    return opd_advantages(mb.advantages, student_logp, teacher, mb.mask, kl_coef)
+
+
+def build_teacher_model(source: str, student_config, dtype: torch.dtype, device: torch.device):
+    """opd_type megatron: the frozen teacher GPTModel from an HF directory or zoo name (TP-sharded as the policy).
+
+    Its architecture may differ from the student's (a larger model); its vocabulary may not: the log-probs of one
+    token id must mean the same token for both. Raises ValueError naming both sizes when they differ.
+    """
+    from transformers import AutoConfig
+
+    from sluiceway.models.hf_megatron import load_hf_weights
+    from sluiceway.models.megatron_gpt import build_gpt_model
+    from sluiceway.models.zoo import load_hf_state_dict, resolve_checkpoint
+
+    path = resolve_checkpoint(source)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if config.vocab_size != student_config.vocab_size:
+        raise ValueError(
+            f"--opd-teacher-load {source}: vocabulary of {config.vocab_size} tokens, the student's has "
+            f"{student_config.vocab_size}: the teacher must share the student's tokenizer"
+        )
+    model = build_gpt_model(config, dtype=dtype, device=device)
+    load_hf_weights(model, load_hf_state_dict(path), config)
+    return model.eval().requires_grad_(False)
