@@ -17,7 +17,9 @@ for the trainer as it is built here (models/megatron_gpt.py, tasks/train/trainer
   output, the SwiGLU's input, activation and product: `_layer_token_bytes`), plus the output layer's logits at the
   trained positions and their gradient; with recompute, what megatron's checkpointing keeps instead (a group's
   input per recompute group, and one group's activations recomputed at a time);
-- a reference model (use_kl_loss / kl_coef) holds weights only; a PPO critic holds weights, grads and an optimizer;
+- a reference model (use_kl_loss / kl_coef) and an on-policy distillation teacher in the trainer (--opd-type
+  megatron, its own config.json: it may be larger than the student) hold weights only; a PPO critic holds
+  weights, grads and an optimizer;
 - with --lora-rank the base weights are frozen (no gradients, masters or moments) and the fp32 adapters hold
   weights, gradients and AdamW's moments (r x (in + out) per adapted projection and layer); the reference of a KL
   loss is the base with the adapters off, so there is no reference model; activations are counted as without LoRA;
@@ -199,6 +201,7 @@ class Layout:
     lora_targets: tuple[str, ...] = ()
     recompute: Recompute = field(default_factory=Recompute)
     reference: bool = False
+    teacher: ModelShape | None = None  # --use-opd --opd-type megatron: the frozen teacher in every trainer rank
     critic: bool = False
     engines: int = 0  # embedded engines (CPU)
     engine_bf16: bool = False
@@ -240,6 +243,7 @@ class Layout:
             # With LoRA the reference is the base model with the adapters off: no second copy.
             reference=not t.lora_rank
             and (a.use_kl_loss or (a.advantage_estimator in ("ppo", "reinforce_plus_plus") and a.kl_coef > 0)),
+            teacher=opd_teacher_shape(cfg) if command in ("run", "replay") else None,
             critic=a.advantage_estimator == "ppo" and a.loss_type != "sft_loss",
             engines=r.rollout_num_engines if starts_engines and r.rollout_engine == "embedded" else 0,
             engine_bf16=bf16,
@@ -247,6 +251,18 @@ class Layout:
             engine_total_len=engine_max_total_len(cfg),
             sglang_engines=r.rollout_num_engines if starts_engines and r.rollout_engine == "sglang" else 0,
         )
+
+
+def opd_teacher_shape(cfg: RunConfig) -> ModelShape | None:
+    """The teacher of --use-opd --opd-type megatron, from its config.json (None: no teacher in the trainer)."""
+    a = cfg.algorithm
+    if not (a.use_opd and a.opd_type == "megatron" and a.opd_teacher_load):
+        return None
+    try:
+        hf, _ = read_hf_config(a.opd_teacher_load)
+    except UserError as e:
+        raise UserError(str(e).replace("--hf-checkpoint", "--opd-teacher-load", 1)) from None
+    return ModelShape.from_hf(hf, f"--opd-teacher-load {a.opd_teacher_load}")
 
 
 def micro_batch_shape(cfg: RunConfig, command: str = "run") -> tuple[int, int, int, bool]:
@@ -573,6 +589,10 @@ def plan(
     static.append(Item("Adam moments (fp32 m, v)", _ceil_div(p, shard) * 8, f"{p:,} x 8 B{over}"))
     if lay.reference:
         static.append(Item("reference model (weights)", p * w, "use_kl_loss / kl_coef"))
+    if lay.teacher is not None:
+        lay.teacher.check_tp(lay.tp)
+        pt = lay.teacher.parameters(lay.tp)
+        static.append(Item("OPD teacher (weights)", pt * w, f"{pt:,} x {w} B, --opd-type megatron"))
     if lay.critic:
         pc = m.parameters(lay.tp, lm_head=False)
         crit = pc * w + (_ceil_div(pc, shard) * 4 if lay.bf16 else 0) + _ceil_div(pc, shard) * 8 + pc * 4

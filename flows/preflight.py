@@ -161,10 +161,10 @@ def preflight(cfg: RunConfig, command: str) -> None:
     hf = model_config(cfg.training.hf_checkpoint)  # last: a zoo name imports torch
     if hf is not None and command in ("run", "eval"):  # the commands that start engines
         check_lengths(cfg, hf)
+    if command in ("run", "replay"):  # before the memory plan, which reads the teacher's config.json too
+        check_teacher(cfg, hf)
     if hf is not None:
         check_memory(cfg, hf, command)
-    if command in ("run", "replay"):
-        check_teacher(cfg, hf)
 
 
 def check_teacher(cfg: RunConfig, student: dict | None) -> None:

@@ -187,13 +187,16 @@ class EngineClient:
                 raise EngineCallError(f"rid {rid}: {self.router_url}/generate answered {answer}")
             answer = r.json()
             meta = (answer[0] if isinstance(answer, list) else answer).get("meta_info") or {}
-            pairs = meta.get("input_token_logprobs") or []
-            if len(pairs) != len(input_ids) or [int(p[1]) for p in pairs] != [int(t) for t in input_ids]:
+            # The scored span is the tail: [[logprob, token id, text], ...] (slime reads it the same way, which does
+            # not depend on whether a server lists position 0).
+            want = [int(t) for t in input_ids[start:]]
+            tail = (meta.get("input_token_logprobs") or [])[-len(want):]
+            if [int(p[1]) for p in tail] != want or any(p[0] is None for p in tail):
                 raise EngineCallError(
-                    f"rid {rid}: {self.router_url} scored {len(pairs)} input tokens for {len(input_ids)} sent, or "
-                    "other token ids (input_token_logprobs must cover the input from position 0)"
+                    f"rid {rid}: {self.router_url} did not score the {len(want)} tokens from position {start} "
+                    f"(input_token_logprobs ends with other token ids or nulls)"
                 )
-            return [float(p[0]) for p in pairs[start:]]
+            return [float(p[0]) for p in tail]
         tries = self.max_retries + 1
         raise EngineCallError(f"rid {rid}: {self.router_url}/generate (scoring) failed {tries} times; last: {last}")
 

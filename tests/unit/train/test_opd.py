@@ -98,3 +98,29 @@ def test_megatron_teacher_equal_to_the_student_adds_nothing(tiny):
     trainer.teacher_model.load_state_dict(teacher_sd, strict=False)
     m2 = trainer.train_rollout(samples, 1)
     assert abs(m2["opd/reverse_kl"]) > 1e-3 and m2["grad_norm"] > 0
+
+
+def test_client_keeps_the_scored_tail_and_refuses_other_tokens():
+    import asyncio
+    import json
+
+    import httpx
+
+    from sluiceway.tasks.rollout.client import EngineCallError, EngineClient
+
+    def answer(request):  # host a: no entry for position 0 (some servers omit it); host b: other token ids
+        ids = json.loads(request.content)["input_ids"]
+        pairs = [[-0.5 * i, t, None] for i, t in enumerate(ids)][1:] if request.url.host == "a" else [[-1.0, 9, None]]
+        return httpx.Response(200, json={"text": "", "output_ids": [], "meta_info": {"input_token_logprobs": pairs}})
+
+    async def score(host):
+        client = EngineClient(f"http://{host}", [])
+        client._http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        try:
+            return await client.score([5, 6, 7, 8], 2, "rid")
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(score("a")) == [-1.0, -1.5]  # tokens 7 and 8
+    with pytest.raises(EngineCallError, match="did not score the 2 tokens from position 2"):
+        asyncio.run(score("b"))
