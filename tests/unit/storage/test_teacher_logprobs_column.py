@@ -46,10 +46,10 @@ def test_teacher_logprobs_length_checked(tmp_path):
         append_trajectories(store, rows, "a/0")
 
 
-def test_old_table_evolves(tmp_path):
-    store = ObjectStore.from_uri(str(tmp_path / "t"))
+def test_old_table_evolves(store):  # a local directory and S3 (conftest.py)
     old = _rows_to_table(batch(0)).select(OLD_SCHEMA.names).cast(OLD_SCHEMA)
-    write_deltalake(store.table_uri(TRAJECTORIES), old, partition_by=PARTITION_BY, configuration=TABLE_PROPERTIES)
+    write_deltalake(store.table_uri(TRAJECTORIES), old, partition_by=PARTITION_BY, configuration=TABLE_PROPERTIES,
+                    storage_options=store.storage_options)  # fmt: skip
     assert "teacher_logprobs" not in table_schema(open_table(store, TRAJECTORIES)).names
     t = read_trajectories(store, "run-a", 0)  # read before any write: nulls
     assert t.schema.equals(TRAJECTORY_SCHEMA) and t.column("teacher_logprobs").null_count == 4
