@@ -411,6 +411,30 @@ class TrainingConfig(_Group):
         "null: only after the last. A resume starts after the newest checkpoint (docs/reliability.md).",
     )
     seed: int = Field(1234, description="Seed for sampling, data order and initialisation.")
+    lora_rank: int = Field(
+        0,
+        ge=0,
+        description="LoRA: train rank-r adapters on the target projections with the base model frozen (0: full "
+        "fine-tuning). Only the adapters are in the optimizer and the checkpoints; the reference of a KL loss is "
+        "the base model itself (no second model). docs/lora.md.",
+    )
+    lora_alpha: float = Field(
+        32.0, gt=0.0, description="LoRA: the adapters' output is scaled by lora_alpha / lora_rank."
+    )
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA: dropout on the adapters' input (peft's).")
+    target_modules: list[str] = Field(
+        ["all-linear"],
+        description="LoRA: projections to adapt, peft's names (q_proj k_proj v_proj o_proj gate_proj up_proj "
+        "down_proj, or all-linear) or Megatron-Bridge's (linear_qkv linear_proj linear_fc1 linear_fc2).",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _known_targets(cls, v: list[str]) -> list[str]:
+        from sluiceway.models.lora import resolve_targets
+
+        resolve_targets(v)  # raises with the names it knows
+        return v
 
     @model_validator(mode="before")
     @classmethod
@@ -491,6 +515,13 @@ class SyncConfig(_Group):
     )
     weights_keep: int = Field(
         3, ge=1, description="update_weight_mode delta: newest versions kept on the weight store."
+    )
+    lora_sync: Literal["adapter", "merged"] = Field(
+        "adapter",
+        description="With --lora-rank: what each weight version is. adapter: the adapter alone (peft's "
+        "adapter_model.safetensors + adapter_config.json; the embedded engine merges it into its base weights on "
+        "load, SGLang loads it with /load_lora_adapter), a few MB per version; merged: full weights with the "
+        "adapter folded in, for engines without LoRA.",
     )
 
 
@@ -679,6 +710,11 @@ class RunConfig(_Group):
         if self.algorithm.use_kl_loss and self.algorithm.kl_loss_coef == 0.0:
             raise ValueError("use_kl_loss is set but kl_loss_coef is 0: set --kl-loss-coef")
         self._check_opd(command)
+        if self.training.lora_rank and self.sync.lora_sync == "adapter" and r.rollout_engine == "sglang":
+            raise ValueError(
+                "lora_sync adapter: SGLang engines are not yet given adapter versions (only the embedded engine "
+                "merges them on load): use --lora-sync merged with --rollout-engine sglang"
+            )
         if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
             raise ValueError(
                 f"over_sampling_batch_size ({r.over_sampling_batch_size}) must be >= rollout_batch_size"

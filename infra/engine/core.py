@@ -348,12 +348,19 @@ class Engine:
 
         The files are read and checked in the caller's thread; a missing path or a tensor that does not fit
         raises EngineError and leaves the old weights serving. Running requests continue on the new weights.
+        A LoRA adapter directory (peft's, as `--lora-sync adapter` publishes) is merged into the weights the engine
+        started from (its base model), never into the current ones, so versions do not compound.
         """
         from sluiceway.infra.errors import UserError
+        from sluiceway.models.lora import is_adapter_dir, merge_into_hf, read_adapter_dir
         from sluiceway.models.zoo import load_hf_state_dict
 
         try:
-            sd = load_hf_state_dict(model_path)
+            if is_adapter_dir(model_path):
+                spec, adapter = read_adapter_dir(model_path)
+                sd = merge_into_hf(load_hf_state_dict(self.model_path), adapter, spec)
+            else:
+                sd = load_hf_state_dict(model_path)
             self.runner.check_state_dict(sd)
         except (UserError, ValueError, OSError) as e:
             raise EngineError(f"update_weights_from_disk: {e}") from None

@@ -29,6 +29,7 @@ from sluiceway.models.hf_megatron import (
     megatron_to_hf,
     merge_tp_shards,
 )
+from sluiceway.models.lora import LoraAdapters, lora_spec, merge_into_hf, merge_tp_adapters
 from sluiceway.models.megatron_gpt import (  # megatron.core through here: it silences the no-TE warnings
     allreduce_gradients,
     build_gpt_model,
@@ -39,7 +40,7 @@ from sluiceway.models.megatron_gpt import (  # megatron.core through here: it si
     token_logprobs_and_entropy,
 )
 from sluiceway.models.zoo import load_hf_state_dict
-from sluiceway.tasks.sync.disk import write_weight_version
+from sluiceway.tasks.sync.disk import write_adapter_version, write_weight_version
 from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS
 from sluiceway.tasks.train.batch import TrainSample
 from sluiceway.tasks.train.checkpoint import load_checkpoint, save_checkpoint
@@ -90,9 +91,17 @@ class PolicyTrainer:
             log.info("activation recompute: %s", ", ".join(f"{k} {v}" for k, v in sorted(recompute.items())))
         hf_state = load_hf_state_dict(hf_dir)
         load_hf_weights(self.model, hf_state, self.hf_config)
-        self.mixed_precision = training.bf16
-        self.param_names = [n for n, _ in self.model.named_parameters()]
-        params = [p for _, p in self.model.named_parameters()]
+        # --lora-rank: the base is frozen and only the adapters train (models/lora.py); they are fp32, so they are
+        # their own masters. `trainable` is what the optimizer, gradient all-reduce and checkpoints see.
+        self.lora = None
+        if training.lora_rank:
+            self.model.requires_grad_(False)
+            self.lora = LoraAdapters(self.hf_config, lora_spec(training), training.seed, self.device)
+            self.lora.attach(self.model)
+        self.trainable = self.model if self.lora is None else self.lora
+        self.mixed_precision = training.bf16 and self.lora is None
+        self.param_names = [n for n, _ in self.trainable.named_parameters()]
+        params = [p for _, p in self.trainable.named_parameters()]
         if self.mixed_precision:
             # Masters come from the original fp32 weights, not from their bf16 rounding.
             full = hf_to_megatron(hf_state, self.hf_config, tp_rank=self.tp_rank, tp_size=self.tp_size)
@@ -100,7 +109,7 @@ class PolicyTrainer:
         else:
             self.master = params  # fp32: the model's parameters are the master weights
         self.ref_model = None
-        if needs_reference(algorithm):
+        if needs_reference(algorithm) and self.lora is None:  # with LoRA the reference is the adapters switched off
             # A second model, not a deepcopy: megatron modules hold process groups, which do not copy.
             self.ref_model = build_gpt_model(self.hf_config, dtype=dtype, device=self.device)
             load_hf_weights(self.ref_model, hf_state, self.hf_config)
@@ -112,7 +121,7 @@ class PolicyTrainer:
         # --use-distributed-optimizer: this DP rank keeps a shard of the masters and moments (tasks/train/zero.py).
         self.zero = None
         if training.use_distributed_optimizer:
-            self.zero = ShardedAdamW(self.model, self.master if self.mixed_precision else None, training)
+            self.zero = ShardedAdamW(self.trainable, self.master if self.mixed_precision else None, training)
             self.master, self.optimizer = None, self.zero.optimizer
         else:
             self.optimizer = adamw(self.master, training)
@@ -166,7 +175,7 @@ class PolicyTrainer:
         if self.algorithm.advantage_estimator in TOKEN_LEVEL_ESTIMATORS:
             # Per-token advantages replace the broadcast ones in the micro-batches; ppo's critic gets its targets.
             policy = lambda mb: self._logprobs(self.model, mb)[0]  # noqa: E731
-            ref = None if self.ref_model is None else (lambda mb: self._logprobs(self.ref_model, mb)[0])
+            ref = (lambda mb: self._ref_logprobs(mb)) if self._has_reference() else None
             batches = [st.batches for st in steps]
             targets, token_metrics = token_advantages(batches, self.algorithm, policy, ref, self.critic, old_logps)
         train_policy = self.critic is None or not self.critic.warming_up
@@ -194,16 +203,14 @@ class PolicyTrainer:
     def _accumulate(self, st: OptimizerStep, old_logps: list[torch.Tensor] | None) -> dict[str, float]:
         """Forward and backward over this rank's micro-batches of one optimizer step; grads accumulate."""
         self.model.train()
+        self.trainable.train()
         keys = ("loss", "pg_loss", "kl", "entropy", "clipfrac", "ratio", "logprob_mismatch", "logprob_mismatch_max",
                 "mismatch_kl", "tis_weight_mean", "tis_clipfrac", "tis_masked_frac", "tis_masked_seq_frac")  # fmt: skip
         sums = dict.fromkeys(keys, 0.0)
         for i, mb in enumerate(st.batches):
             logp, entropy = self._logprobs(self.model, mb)
             old = old_logps[i] if old_logps is not None else logp.detach()
-            ref_logp = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref_logp = self._logprobs(self.ref_model, mb)[0]
+            ref_logp = self._ref_logprobs(mb) if self._has_reference() else None
             advantages = mb.advantages
             if self.algorithm.use_opd:  # A - opd_kl_coef x (student - teacher log-prob): tasks/train/opd.py
                 advantages, kl = micro_batch_opd(mb, old, self.algorithm.opd_kl_coef, self._teacher_logp)
@@ -224,10 +231,21 @@ class PolicyTrainer:
         """The megatron-mode teacher's log-probs of the micro-batch's tokens (its unscaled distribution), or None."""
         return None if self.teacher_model is None else self._logprobs(self.teacher_model, mb, temperature=1.0)[0]
 
+    def _has_reference(self) -> bool:
+        return self.ref_model is not None or (self.lora is not None and needs_reference(self.algorithm))
+
+    @torch.no_grad()
+    def _ref_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        """The frozen reference's log-probs: its own model, or with LoRA the base model (adapters switched off)."""
+        if self.lora is None:
+            return self._logprobs(self.ref_model, mb)[0]
+        with self.lora.disabled():
+            return self._logprobs(self.model, mb)[0]
+
     def _optimizer_step(self, st: OptimizerStep, old_logps: list[torch.Tensor] | None) -> dict[str, float]:
         sums = self._accumulate(st, old_logps)
         sums["lr"] = self.optimizer.param_groups[0]["lr"]
-        allreduce_gradients(self.model)
+        allreduce_gradients(self.trainable)
         sums["grad_norm"] = float(self._step_master_weights())
         sums["tokens"] = st.n_tokens
         if not math.isfinite(sums["loss"]):
@@ -235,13 +253,18 @@ class PolicyTrainer:
         return sums
 
     def gradients(self, samples: list[TrainSample], step: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-        """Metrics and full-model gradients (HF names) of the first optimizer step of `samples`, without stepping.
+        """Metrics and full-model gradients (HF names; with LoRA the adapters' in peft's) of the first optimizer step
+        of `samples`, without stepping.
 
         A diagnostic: what the step would do, the same on every layout of ranks (the TP/DP parity tests use it).
         """
         st = self._plan(samples, step)[0]
         sums = self._accumulate(st, None)
-        allreduce_gradients(self.model)
+        allreduce_gradients(self.trainable)
+        if self.lora is not None:
+            grads = {n: g.grad.detach().float().clone() for n, g in self.lora.local_params().items()}
+            self.lora.zero_grad(set_to_none=True)
+            return sums, merge_tp_adapters(gather_tensor_parallel(grads))
         grads = {n: p.grad.detach().float().clone() for n, p in self.model.named_parameters() if p.grad is not None}
         self.model.zero_grad(set_to_none=True)
         full = merge_tp_shards(gather_tensor_parallel(grads), self.hf_config)
@@ -252,21 +275,37 @@ class PolicyTrainer:
         if self.zero is not None:
             return self.zero.step(self.scheduler, self.tp_flags, t.clip_grad)
         return step_master_weights(
-            self.model, self.master, self.optimizer, self.scheduler, self.tp_flags, t.clip_grad, self.mixed_precision
+            self.trainable,
+            self.master,
+            self.optimizer,
+            self.scheduler,
+            self.tp_flags,
+            t.clip_grad,
+            self.mixed_precision,
         )
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's model state in megatron names with fp32 master values for every parameter (a collective over
-        DP with the distributed optimizer and bf16: the master shards are gathered)."""
-        state = megatron_state_dict(self.model)
+        """This rank's trained state with fp32 master values for every parameter (a collective over DP with the
+        distributed optimizer and bf16: the master shards are gathered): the model in megatron names, or with LoRA
+        the adapters alone (the base never changes)."""
+        state = megatron_state_dict(self.trainable) if self.lora is None else dict(self.lora.state_dict())
         masters = self.master if self.zero is None else self.zero.full_masters()
         state.update({n: m.detach() for n, m in zip(self.param_names, masters)})
         return state
 
     def hf_state_dict(self, include_tied_lm_head: bool = True) -> dict[str, torch.Tensor]:
-        """The whole model in HF names (TP shards gathered; a collective: every rank must call it)."""
-        full = merge_tp_shards(gather_tensor_parallel(self.master_state_dict()), self.hf_config)
-        return megatron_to_hf(full, self.hf_config, include_tied_lm_head=include_tied_lm_head)
+        """The whole model in HF names, with LoRA the adapters merged in (TP shards gathered; a collective: every
+        rank must call it)."""
+        if self.lora is None:
+            full = merge_tp_shards(gather_tensor_parallel(self.master_state_dict()), self.hf_config)
+            return megatron_to_hf(full, self.hf_config, include_tied_lm_head=include_tied_lm_head)
+        base = merge_tp_shards(gather_tensor_parallel(megatron_state_dict(self.model)), self.hf_config)
+        base = megatron_to_hf(base, self.hf_config, include_tied_lm_head=include_tied_lm_head)
+        return merge_into_hf(base, self.adapter_state_dict(), self.lora.spec)
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole LoRA adapter in peft's keys (TP shards gathered; a collective)."""
+        return merge_tp_adapters(gather_tensor_parallel(self.lora.local_state()))
 
     def state(self) -> dict[str, int]:
         return {"weight_version": self.weight_version, "optimizer_state_bytes": self.optimizer_state_bytes()}
@@ -281,13 +320,20 @@ class PolicyTrainer:
             for m in models
         )  # fmt: skip
 
-    def write_weights(self, hf_dir: str | Path, root: str | Path, dtype: str | None = None) -> Path | None:
+    def write_weights(
+        self, hf_dir: str | Path, root: str | Path, dtype: str | None = None, adapter_only: bool = False
+    ) -> Path | None:
         """Publish the current weights as an HF model directory under `root` (see tasks/sync/disk.py).
 
         `dtype` ("bfloat16", ...): write the masters rounded to it, as engines serving that dtype would round
         them on load (the same bits in half the bytes for bf16); None keeps fp32. A collective (the TP shards
         are gathered); rank 0 writes and returns the path, other ranks return None.
         """
+        if adapter_only:  # --lora-sync adapter: peft's adapter directory, fp32 (engines merge it into their base)
+            adapter = self.adapter_state_dict()
+            if torch.distributed.get_rank() != 0:
+                return None
+            return write_adapter_version(adapter, self.lora.spec, Path(hf_dir), Path(root), self.weight_version)
         state = self.hf_state_dict(include_tied_lm_head=False)
         if torch.distributed.get_rank() != 0:
             return None
@@ -314,6 +360,7 @@ class PolicyTrainer:
         mine = shard_for_rank(plans, self.dp_size, self.dp_rank)
         n_tokens = float(sum(sum(s.loss_mask) for s in samples))
         self.model.train()
+        self.trainable.train()
         sums = {"loss": 0.0, "entropy": 0.0}
         for p in mine:
             mb = collate([samples[i] for i in p.samples], self.pad_token_id, p.rows).to(self.device)
@@ -326,7 +373,7 @@ class PolicyTrainer:
         if not math.isfinite(sums["loss"]):
             raise FloatingPointError(f"non-finite SFT loss {sums['loss']} at step {step}")
         sums["lr"] = self.optimizer.param_groups[0]["lr"]
-        allreduce_gradients(self.model)
+        allreduce_gradients(self.trainable)
         sums["grad_norm"] = float(self._step_master_weights())
         self.weight_version += 1
         sums["tokens"] = n_tokens
