@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,30 +129,10 @@ class EngineClient:
         if return_logprob:
             body["return_logprob"] = True
         start = time.monotonic()
-        last = ""
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                await asyncio.sleep(min(self.retry_backoff_s * 2 ** (attempt - 1), 10.0))
-            try:
-                # Retries go without the key: the router keeps a key on its engine until health checks mark
-                # that engine down, so a dead engine would take every retry; unkeyed, it picks (and retries) anew.
-                headers = keyed if attempt == 0 else None
-                r = await self._http.post(f"{self.router_url}/generate", json=body, headers=headers)
-            except (httpx.ReadTimeout, httpx.WriteTimeout) as e:
-                raise EngineCallError(f"rid {rid}: no answer from {self.router_url} in time ({e!r})") from e
-            except httpx.TransportError as e:
-                # Router unreachable or connection dropped (connect/pool timeouts included): same rid again.
-                last = f"{type(e).__name__}: {e}"
-                continue
-            if r.status_code >= 500:
-                last = f"{r.status_code} {_error_text(r)}"
-                continue
-            if r.status_code >= 400:
-                answer = f"{r.status_code}: {_error_text(r)}"
-                raise EngineCallError(f"rid {rid}: {self.router_url}/generate answered {answer}")
-            return parse_generate_response(r.json(), rid, len(input_ids), time.monotonic() - start)
-        tries = self.max_retries + 1
-        raise EngineCallError(f"rid {rid}: {self.router_url}/generate failed {tries} times; last: {last}")
+        # Retries go without the key: the router keeps a key on its engine until health checks mark that engine
+        # down, so a dead engine would take every retry; unkeyed, it picks (and retries) anew.
+        answer = await self._post_generate(body, rid, lambda attempt: keyed if attempt == 0 else None)
+        return parse_generate_response(answer, rid, len(input_ids), time.monotonic() - start)
 
     async def score(self, input_ids: list[int], start: int, rid: str) -> list[float]:
         """Log-probs the engine's model gives the tokens ``input_ids[start:]`` (each after the tokens before it):
@@ -168,15 +149,35 @@ class EngineClient:
             "logprob_start_len": 0,
             "rid": rid,
         }
+        answer = await self._post_generate(body, rid, lambda attempt: None, what="/generate (scoring)")
+        meta = (answer[0] if isinstance(answer, list) else answer).get("meta_info") or {}
+        # The scored span is the tail: [[logprob, token id, text], ...] (slime reads it the same way, which does
+        # not depend on whether a server lists position 0).
+        want = [int(t) for t in input_ids[start:]]
+        tail = (meta.get("input_token_logprobs") or [])[-len(want) :]
+        if [int(p[1]) for p in tail] != want or any(p[0] is None for p in tail):
+            raise EngineCallError(
+                f"rid {rid}: {self.router_url} did not score the {len(want)} tokens from position {start} "
+                f"(input_token_logprobs ends with other token ids or nulls)"
+            )
+        return [float(p[0]) for p in tail]
+
+    async def _post_generate(
+        self, body: dict, rid: str, headers: Callable[[int], dict | None], what: str = "/generate"
+    ) -> Any:
+        """POST `body` to the router's /generate and return its JSON answer. Transport errors and 5xx are retried
+        with exponential backoff (the same rid again; `headers(attempt)` gives each try's headers); a read or
+        write timeout or a 4xx raises EngineCallError at once."""
         last = ""
         for attempt in range(self.max_retries + 1):
             if attempt:
                 await asyncio.sleep(min(self.retry_backoff_s * 2 ** (attempt - 1), 10.0))
             try:
-                r = await self._http.post(f"{self.router_url}/generate", json=body)
+                r = await self._http.post(f"{self.router_url}/generate", json=body, headers=headers(attempt))
             except (httpx.ReadTimeout, httpx.WriteTimeout) as e:
                 raise EngineCallError(f"rid {rid}: no answer from {self.router_url} in time ({e!r})") from e
             except httpx.TransportError as e:
+                # Router unreachable or connection dropped (connect/pool timeouts included): same rid again.
                 last = f"{type(e).__name__}: {e}"
                 continue
             if r.status_code >= 500:
@@ -185,20 +186,9 @@ class EngineClient:
             if r.status_code >= 400:
                 answer = f"{r.status_code}: {_error_text(r)}"
                 raise EngineCallError(f"rid {rid}: {self.router_url}/generate answered {answer}")
-            answer = r.json()
-            meta = (answer[0] if isinstance(answer, list) else answer).get("meta_info") or {}
-            # The scored span is the tail: [[logprob, token id, text], ...] (slime reads it the same way, which does
-            # not depend on whether a server lists position 0).
-            want = [int(t) for t in input_ids[start:]]
-            tail = (meta.get("input_token_logprobs") or [])[-len(want):]
-            if [int(p[1]) for p in tail] != want or any(p[0] is None for p in tail):
-                raise EngineCallError(
-                    f"rid {rid}: {self.router_url} did not score the {len(want)} tokens from position {start} "
-                    f"(input_token_logprobs ends with other token ids or nulls)"
-                )
-            return [float(p[0]) for p in tail]
+            return r.json()
         tries = self.max_retries + 1
-        raise EngineCallError(f"rid {rid}: {self.router_url}/generate (scoring) failed {tries} times; last: {last}")
+        raise EngineCallError(f"rid {rid}: {self.router_url}{what} failed {tries} times; last: {last}")
 
     # --- control: each engine --------------------------------------------------------------------------------
 
