@@ -17,6 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from sluiceway.infra.errors import UserError
 
+# LoRA target names (peft's, all-linear, Megatron-Bridge's fused layers); models/lora.py maps them to projections
+# (the config imports nothing of the project: tests/unit/models/test_lora.py checks both lists agree).
+LORA_TARGET_NAMES = ("all-linear", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                     "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # fmt: skip
+
 
 class _Group(BaseModel):
     # Unknown keys in YAML are mistakes (a typo silently ignored is a lost setting). No setting means anything
@@ -431,9 +436,9 @@ class TrainingConfig(_Group):
     @field_validator("target_modules")
     @classmethod
     def _known_targets(cls, v: list[str]) -> list[str]:
-        from sluiceway.models.lora import resolve_targets
-
-        resolve_targets(v)  # raises with the names it knows
+        unknown = [n for n in v if n not in LORA_TARGET_NAMES]
+        if unknown:
+            raise ValueError(f"unknown LoRA target module {unknown[0]!r} (expected: {', '.join(LORA_TARGET_NAMES)})")
         return v
 
     @model_validator(mode="before")

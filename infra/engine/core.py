@@ -358,7 +358,11 @@ class Engine:
         try:
             if is_adapter_dir(model_path):
                 spec, adapter = read_adapter_dir(model_path)
-                sd = merge_into_hf(load_hf_state_dict(self.model_path), adapter, spec)
+                # The base at the serving dtype first, as the trainer holds it: the merge then rounds once, to
+                # the bits of the trainer's merged version (--lora-sync merged), not to those of an fp32 merge.
+                base = {k: v.to(self.runner.dtype) if v.is_floating_point() else v
+                        for k, v in load_hf_state_dict(self.model_path).items()}  # fmt: skip
+                sd = merge_into_hf(base, adapter, spec)
             else:
                 sd = load_hf_state_dict(model_path)
             self.runner.check_state_dict(sd)

@@ -86,3 +86,28 @@ def test_an_adapter_that_does_not_fit_leaves_the_weights_serving(model_dir, tmp_
         assert [o.output_ids for o in sample(engine)] == [o.output_ids for o in before]
     finally:
         engine.shutdown()
+
+
+def test_bf16_engine_serves_the_trainers_merged_bits(model_dir, tmp_path):
+    """A bf16 engine merges into its base rounded to bf16 first, as the trainer holds it: the weights it serves are
+    bit for bit the trainer's merged version (--lora-sync merged), not an fp32 merge rounded once."""
+    from safetensors.torch import save_file
+
+    adapter = random_adapter(model_dir, 1)
+    write_adapter_dir(adapter, SPEC, tmp_path / "v1", base_model=str(model_dir))
+    base_bf16 = {k: v.to(torch.bfloat16) for k, v in load_hf_state_dict(model_dir).items()}
+    merged = merge_into_hf(base_bf16, adapter, SPEC)  # what the trainer writes under --bf16
+    out = tmp_path / "merged"
+    shutil.copytree(model_dir, out)
+    save_file({k: v.contiguous() for k, v in merged.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    a = Engine(model_dir, max_running_requests=2, max_total_len=128, dtype=torch.bfloat16)
+    b = Engine(out, max_running_requests=2, max_total_len=128, dtype=torch.bfloat16)
+    try:
+        a.update_weights_from_disk(tmp_path / "v1", "1")
+        assert a.runner.w.keys() == b.runner.w.keys()  # norms, embeddings (matrices may be packed: compare outputs)
+        assert all(torch.equal(a.runner.w[k], b.runner.w[k]) for k in a.runner.w)
+        for x, y in zip(sample(a), sample(b)):
+            assert x.output_ids == y.output_ids and x.output_logprobs == y.output_logprobs
+    finally:
+        a.shutdown()
+        b.shutdown()

@@ -142,3 +142,10 @@ def test_memory_plan_counts_the_adapters(kind):
     lora = LoraAdapters(hf.config, LoraSpec(4, 8.0, 0.0, targets), seed=0)
     shape = ModelShape.from_hf(hf.config.to_dict())
     assert shape.lora_parameters(4, targets) == sum(p.numel() for p in lora.parameters())
+
+
+def test_config_knows_the_same_target_names():
+    from sluiceway.flows.config import LORA_TARGET_NAMES
+    from sluiceway.models.lora import MEGATRON_NAMES, TARGETS
+
+    assert set(LORA_TARGET_NAMES) == {"all-linear", *TARGETS, *MEGATRON_NAMES}

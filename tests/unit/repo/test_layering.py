@@ -61,8 +61,10 @@ def test_lower_layers_never_import_the_stages(package):
     assert not bad, sorted(bad)
 
 
-def test_config_imports_nothing_of_the_project_but_the_error_type():
-    assert project_imports(ROOT / "flows" / "config.py") == {"sluiceway.infra.errors"}
+def test_config_imports_nothing_of_the_project_but_the_error_type_and_plugin_loading():
+    # plugins: --custom-tis-function-path is imported and checked when the config is read; it needs only errors.
+    assert project_imports(ROOT / "flows" / "config.py") == {"sluiceway.infra.errors", "sluiceway.infra.plugins"}
+    assert project_imports(ROOT / "infra" / "plugins.py") == {"sluiceway.infra.errors"}
 
 
 @pytest.mark.parametrize("leaf", ["infra/errors.py", "infra/proc.py", "infra/cache.py"])
