@@ -715,11 +715,6 @@ class RunConfig(_Group):
         if self.algorithm.use_kl_loss and self.algorithm.kl_loss_coef == 0.0:
             raise ValueError("use_kl_loss is set but kl_loss_coef is 0: set --kl-loss-coef")
         self._check_opd(command)
-        if self.training.lora_rank and self.sync.lora_sync == "adapter" and r.rollout_engine == "sglang":
-            raise ValueError(
-                "lora_sync adapter: SGLang engines are not yet given adapter versions (only the embedded engine "
-                "merges them on load): use --lora-sync merged with --rollout-engine sglang"
-            )
         if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
             raise ValueError(
                 f"over_sampling_batch_size ({r.over_sampling_batch_size}) must be >= rollout_batch_size"

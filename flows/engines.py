@@ -18,7 +18,8 @@ from sluiceway.infra.aio import BackgroundLoop
 from sluiceway.infra.pool import EnginePool
 from sluiceway.infra.proc import child_env
 from sluiceway.infra.router import HOST, SGLangRouter
-from sluiceway.infra.sglang_launcher import require_sglang, sglang_server_command
+from sluiceway.infra.sglang_launcher import lora_server_args, require_sglang, sglang_server_command
+from sluiceway.models.lora import is_adapter_dir
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.weights import WeightStore
 from sluiceway.tasks.rollout.client import EngineClient
@@ -64,7 +65,7 @@ class RolloutEngines:
                     tp_size=tp,
                     dtype="bfloat16" if cfg.training.bf16 else "auto",
                     seed=cfg.training.seed,
-                    extra_args=r.sglang_server_args or [],
+                    extra_args=[*lora_server_args(cfg), *(r.sglang_server_args or [])],
                 )
                 return cmd, {"CUDA_VISIBLE_DEVICES": gpus}
 
@@ -107,6 +108,9 @@ class RolloutEngines:
             raise
         self.cfg, self.loop, self.client, self.remote = cfg, None, None, []
         self.weight_version = weight_version  # what the engines serve; set after each update
+        # SGLang engines take LoRA adapter versions through their LoRA endpoints (the embedded engine merges them
+        # on /update_weights_from_disk; it also has the endpoints: tests/integration/test_lora_endpoints.py).
+        self.lora_endpoints = r.rollout_engine == "sglang"
         if wait:
             self.wait_ready()
 
@@ -158,7 +162,11 @@ class RolloutEngines:
 
     def update_weights(self, model_dir: Path, version: int) -> None:
         self.prune_dead()  # a dead engine cannot take the update; the router already routes around it
-        self.run(self.client.update_weights_from_disk(str(model_dir), version))
+        if self.lora_endpoints and is_adapter_dir(model_dir):
+            # SGLang serves adapters beside its base weights: load each version as one, requests name it.
+            self.run(self.client.load_lora_adapter(str(model_dir), version))
+        else:  # full weights; an embedded engine merges an adapter directory into its base weights itself
+            self.run(self.client.update_weights_from_disk(str(model_dir), version))
         self.weight_version = version
 
     def close(self) -> None:
@@ -182,8 +190,9 @@ class RolloutEngines:
 
 def _sglang_on_node(model_dir: str, tp: int, cfg: RunConfig, host: str, port: int) -> list[str]:
     """An SGLang server on a Ray node: the actor's GPUs are its CUDA_VISIBLE_DEVICES."""
+    extra = [*lora_server_args(cfg), *(cfg.rollout.sglang_server_args or [])]
     return sglang_server_command(model_dir, host, port, tp_size=tp, dtype="bfloat16" if cfg.training.bf16 else "auto",
-                                 seed=cfg.training.seed, extra_args=cfg.rollout.sglang_server_args or [])  # fmt: skip
+                                 seed=cfg.training.seed, extra_args=extra)  # fmt: skip
 
 
 def reported_version(wstore: WeightStore, name: str) -> int | None:
@@ -209,11 +218,12 @@ class TeacherEngine:
         if self.url is None:
             from sluiceway.models.zoo import resolve_checkpoint
 
+            # Scoring takes no KV cache slot: one is the least an engine holds.
             engine_args = (
                 "--max-running-requests", "1", "--max-total-len", str(engine_max_total_len(cfg)),
                 "--dtype", "bfloat16" if cfg.training.bf16 else "float32",
                 "--num-threads", str(embedded_engine_threads(cfg)),
-            )  # fmt: skip  (scoring takes no KV cache slot: one is the least an engine holds)
+            )  # fmt: skip
             model = str(resolve_checkpoint(a.opd_teacher_load))
             self.pool = EnginePool(model, 1, run_dir / "logs" / "teacher", engine_args=engine_args, env=child_env())
             self.pool.spawn()

@@ -202,6 +202,8 @@ class Engine:
         )
         self.eos_token_ids = self._eos_ids()
         self.weight_version = str(weight_version)
+        self.lora_name: str | None = None  # the LoRA adapter merged into the weights (load_lora_adapter)
+        self.lora_names: set[str] = set()  # every adapter name loaded and not unloaded
         self._seed = seed
         self._rid_counter = itertools.count()
 
@@ -351,23 +353,63 @@ class Engine:
         A LoRA adapter directory (peft's, as `--lora-sync adapter` publishes) is merged into the weights the engine
         started from (its base model), never into the current ones, so versions do not compound.
         """
-        from sluiceway.infra.errors import UserError
-        from sluiceway.models.lora import is_adapter_dir, merge_into_hf, read_adapter_dir
+        from sluiceway.models.lora import is_adapter_dir
+
+        if is_adapter_dir(model_path):
+            name = "adapter" if weight_version is None else f"v{weight_version}"
+            return self.load_lora_adapter(name, model_path, weight_version, what="update_weights_from_disk")
+        return self._swap_weights(lambda: self._read_weights(model_path), weight_version, "update_weights_from_disk")
+
+    def load_lora_adapter(
+        self, name: str, path: str | Path, weight_version: str | None = None, what: str = "load_lora_adapter"
+    ) -> str:
+        """SGLang's dynamic LoRA loading, for one adapter at a time: merge the adapter at `path` into the base
+        weights and serve it under `name`. Requests naming an adapter (`lora_path`) must name one this engine
+        has loaded; all are served by the newest (an SGLang engine keeps each until unloaded)."""
+
+        def read():
+            from sluiceway.models.lora import merge_into_hf, read_adapter_dir
+
+            spec, adapter = read_adapter_dir(path)
+            # The base at the serving dtype first, as the trainer holds it: the merge then rounds once, to
+            # the bits of the trainer's merged version (--lora-sync merged), not to those of an fp32 merge.
+            return merge_into_hf(self._base_weights(), adapter, spec)
+
+        version = self._swap_weights(read, weight_version, what)
+        self.lora_names.add(name)
+        self.lora_name = name
+        return version
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Unload `name`: the base weights serve again if it is the one merged in; an adapter a newer one already
+        replaced is just forgotten. Raises EngineError for a name never loaded."""
+        if name not in self.lora_names:
+            raise EngineError(f"unload_lora_adapter: no adapter named {name!r} is loaded")
+        self.lora_names.discard(name)
+        if name == self.lora_name:
+            self._swap_weights(self._base_weights, None, "unload_lora_adapter")
+            self.lora_name = None
+
+    def _base_weights(self) -> dict:
         from sluiceway.models.zoo import load_hf_state_dict
 
+        return {k: v.to(self.runner.dtype) if v.is_floating_point() else v
+                for k, v in load_hf_state_dict(self.model_path).items()}  # fmt: skip
+
+    @staticmethod
+    def _read_weights(model_path: str | Path) -> dict:
+        from sluiceway.models.zoo import load_hf_state_dict
+
+        return load_hf_state_dict(model_path)
+
+    def _swap_weights(self, read: Callable[[], dict], weight_version: str | None, what: str) -> str:
+        from sluiceway.infra.errors import UserError
+
         try:
-            if is_adapter_dir(model_path):
-                spec, adapter = read_adapter_dir(model_path)
-                # The base at the serving dtype first, as the trainer holds it: the merge then rounds once, to
-                # the bits of the trainer's merged version (--lora-sync merged), not to those of an fp32 merge.
-                base = {k: v.to(self.runner.dtype) if v.is_floating_point() else v
-                        for k, v in load_hf_state_dict(self.model_path).items()}  # fmt: skip
-                sd = merge_into_hf(base, adapter, spec)
-            else:
-                sd = load_hf_state_dict(model_path)
+            sd = read()
             self.runner.check_state_dict(sd)
         except (UserError, ValueError, OSError) as e:
-            raise EngineError(f"update_weights_from_disk: {e}") from None
+            raise EngineError(f"{what}: {e}") from None
 
         def do() -> str:
             self.runner.load_state_dict(sd)

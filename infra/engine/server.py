@@ -7,13 +7,15 @@ SGLang streams by default; `return_logprob` with `logprob_start_len` adds `meta_
 `max_new_tokens` 0 only scores the input: on-policy distillation's teacher call), `/health`, `/health_generate`,
 `/model_info`, `/server_info` (+ `/get_` aliases),
 `/flush_cache`, `/abort_request`, `/pause_generation`, `/continue_generation`, `/update_weights_from_disk`,
-`/update_weight_version`, and OpenAI's `/v1/models`, `/v1/chat/completions` (non-streaming).
+`/update_weight_version`, `/load_lora_adapter`, `/unload_lora_adapter` (with `lora_path` naming the adapter on
+`/generate`), and OpenAI's `/v1/models`, `/v1/chat/completions` (non-streaming).
 
 Differences, on purpose: `/pause_generation` defaults to mode "in_place" (requests keep their KV cache and
-resume on `/continue_generation`; "abort" aborts them first); sampling fields SGLang knows but this engine does
-not implement are accepted only at their defaults; any input the engine cannot honour is a 400 with one message,
-numbers outside SGLang's ranges and bodies that are not UTF-8 JSON objects of valid text included (a
-Content-Type other than JSON is a 415).
+resume on `/continue_generation`; "abort" aborts them first); LoRA adapters are merged into the weights, one at a
+time: every loaded name is served by the newest adapter (SGLang serves each its own until unloaded); sampling
+fields SGLang knows but this engine does not implement are accepted only at their defaults; any input the engine
+cannot honour is a 400 with one message, numbers outside SGLang's ranges and bodies that are not UTF-8 JSON
+objects of valid text included (a Content-Type other than JSON is a 415).
 """
 
 from __future__ import annotations
@@ -73,7 +75,9 @@ _SAMPLING_DEFAULT_ONLY: dict[str, Any] = {
     "stream_interval": None,
 }
 # Top-level /generate fields: handled, or accepted when they ask for nothing this engine lacks.
-_GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "stream", "logprob_start_len"}
+_GENERATE_FIELDS = {
+    "text", "input_ids", "sampling_params", "rid", "return_logprob", "stream", "logprob_start_len", "lora_path",
+}  # fmt: skip
 _GENERATE_DEFAULT_ONLY: dict[str, Any] = {
     # sglang-router 0.3.2 re-serialises /generate and adds these at their defaults (see infra/router.py).
     "model": None,
@@ -83,7 +87,6 @@ _GENERATE_DEFAULT_ONLY: dict[str, Any] = {
     "return_text_in_logprobs": False,
     "log_metrics": True,
     "return_hidden_states": False,
-    "lora_path": None,
     "session_params": None,
     "custom_logit_processor": None,
     "image_data": None,
@@ -220,6 +223,18 @@ class EngineServer:
         self.tokenizer = engine.tokenizer
         self.app = self._build()
 
+    def _check_lora_path(self, lora_path: Any) -> None:
+        """SGLang's per-request adapter name (`lora_path`: a name, or one per request): each must be an adapter this
+        engine loaded (it serves them all with the newest merged in); None is the weights as they are."""
+        names = lora_path if isinstance(lora_path, list) else [lora_path]
+        for name in names:
+            if name is None:
+                continue
+            if not isinstance(name, str):
+                raise BadRequest(f"lora_path must be an adapter name or a list of them, got {name!r}")
+            if name not in self.engine.lora_names:
+                raise BadRequest(f"lora_path {name!r}: no such adapter is loaded (load it with /load_lora_adapter)")
+
     # ------------------------------------------------------------------------------------------ /generate
     def _to_requests(
         self, body: dict[str, Any]
@@ -234,6 +249,7 @@ class EngineServer:
                     raise BadRequest(f"{k}={v!r} is not supported by the embedded engine")
                 continue
             raise BadRequest(f"unknown field {k!r} in /generate request")
+        self._check_lora_path(body.get("lora_path"))
         text, input_ids = body.get("text"), body.get("input_ids")
         if (text is None) == (input_ids is None):
             raise BadRequest("give exactly one of text or input_ids")
@@ -646,6 +662,30 @@ class EngineServer:
                 return JSONResponse({"success": False, "message": str(e), "num_paused_requests": 0}, status_code=400)
             msg = f"Succeeded to update model weights from {path}. Weight version updated to {v}."
             return {"success": True, "message": msg, "num_paused_requests": 0}
+
+        @app.post("/load_lora_adapter")
+        async def load_lora_adapter(request: Request):
+            body = await json_body(request)
+            name, path = body.get("lora_name"), body.get("lora_path")
+            if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+                raise BadRequest("lora_name and lora_path must be non-empty strings")
+            try:
+                await asyncio.to_thread(self.engine.load_lora_adapter, name, path)
+            except EngineError as e:
+                return JSONResponse({"success": False, "error_message": str(e)}, status_code=400)
+            return {"success": True, "error_message": "", "loaded_adapters": {name: path}}
+
+        @app.post("/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request):
+            body = await json_body(request)
+            name = body.get("lora_name")
+            if not isinstance(name, str) or not name:
+                raise BadRequest("lora_name must be a non-empty string")
+            try:
+                await asyncio.to_thread(self.engine.unload_lora_adapter, name)
+            except EngineError as e:
+                return JSONResponse({"success": False, "error_message": str(e)}, status_code=400)
+            return {"success": True, "error_message": ""}
 
         @app.post("/update_weight_version")
         async def update_weight_version(request: Request):

@@ -105,6 +105,8 @@ class EngineClient:
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
+        # LoRA adapters loaded with load_lora_adapter, newest last; requests name the newest (SGLang's lora_path).
+        self.lora_names: list[str] = []
         self._http = httpx.AsyncClient(
             # pool=None: calls beyond max_connections queue for a connection instead of timing out there.
             timeout=httpx.Timeout(timeout_s, connect=10.0, pool=None),
@@ -125,6 +127,8 @@ class EngineClient:
         """One request through the router. Requests with one `routing_key` (a GRPO group's samples) go to one
         engine, where they share their prompt's prefill (infra/router.py: the manual policy)."""
         body = {"input_ids": list(input_ids), "sampling_params": sampling_params, "rid": rid}
+        if self.lora_names:
+            body["lora_path"] = self.lora_names[-1]
         keyed = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
         if return_logprob:
             body["return_logprob"] = True
@@ -246,6 +250,19 @@ class EngineClient:
             "/update_weights_from_disk",
             {"model_path": str(model_path), "weight_version": str(weight_version)},
         )
+
+    async def load_lora_adapter(self, adapter_dir: str, weight_version: int, keep: int = 2) -> None:
+        """Every engine loads the LoRA adapter directory as adapter ``v<weight_version>`` (SGLang's dynamic LoRA
+        loading) and reports the version; from then on requests name it. Adapters older than the newest ``keep``
+        are unloaded (requests still running may name the one before)."""
+        name = f"v{weight_version}"
+        await self._broadcast("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dir)})
+        await self._broadcast(
+            "POST", "/update_weight_version", {"new_version": str(weight_version), "abort_all_requests": False}
+        )
+        self.lora_names = [n for n in self.lora_names if n != name] + [name]
+        while len(self.lora_names) > keep:
+            await self._broadcast("POST", "/unload_lora_adapter", {"lora_name": self.lora_names.pop(0)}, strict=False)
 
     async def flush_cache(self) -> None:
         await self._broadcast("POST", "/flush_cache")

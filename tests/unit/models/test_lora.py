@@ -149,3 +149,17 @@ def test_config_knows_the_same_target_names():
     from sluiceway.models.lora import MEGATRON_NAMES, TARGETS
 
     assert set(LORA_TARGET_NAMES) == {"all-linear", *TARGETS, *MEGATRON_NAMES}
+
+
+def test_sglang_engines_start_with_lora_serving_flags():
+    from types import SimpleNamespace as NS
+
+    from sluiceway.infra.sglang_launcher import lora_server_args
+
+    def cfg(rank, sync="adapter", targets=("linear_qkv", "down_proj")):
+        return NS(training=NS(lora_rank=rank, target_modules=list(targets)), sync=NS(lora_sync=sync))
+
+    assert lora_server_args(cfg(16)) == [
+        "--enable-lora", "--max-lora-rank", "16", "--lora-target-modules", "q_proj", "k_proj", "v_proj", "down_proj",
+    ]  # fmt: skip
+    assert lora_server_args(cfg(16, "merged")) == [] and lora_server_args(cfg(0)) == []
