@@ -152,7 +152,9 @@ def materialize(wstore: WeightStore, version: int, local_base_dir: Path | None, 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         _write_files(wstore, target, local_base_dir, tmp)
-        st.write(tmp / "model.safetensors", {k: state[k][0] for k in target.tensors}, target.metadata)
+        # A LoRA adapter version (--lora-sync adapter) keeps peft's file name, so peft and SGLang load it as is.
+        name = "adapter_model.safetensors" if "adapter_config.json" in target.files else "model.safetensors"
+        st.write(tmp / name, {k: state[k][0] for k in target.tensors}, target.metadata)
         (tmp / MANIFEST).write_text(target.dumps())
         old = out_dir.with_name(f".{out_dir.name}.old")
         shutil.rmtree(old, ignore_errors=True)

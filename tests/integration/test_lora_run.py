@@ -47,6 +47,7 @@ def test_lora_run_publishes_adapter_versions(tmp_path):
     wstore = WeightStore(ObjectStore.from_uri(str(run_dir / "weight_store")))
     assert wstore.versions() == [1, 2, 3] and wstore.manifest(1).kind == "full"
     out = materialize(wstore, 3, None, tmp_path / "pool" / "v3")
+    assert sorted(f.name for f in out.glob("*.safetensors")) == ["adapter_model.safetensors"]  # peft's name
     pool_spec, pool_adapter = read_adapter_dir(out)
     assert pool_spec == spec and all(torch.equal(pool_adapter[k], adapter[k]) for k in adapter)
     full_bytes = sum(f.stat().st_size for f in resolve_checkpoint("tiny-llama", cache_dir=cache).glob("*.safetensors"))
