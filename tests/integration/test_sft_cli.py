@@ -74,3 +74,30 @@ def test_sft_cli_end_to_end_then_resume(tiny, tmp_path):
     assert again.returncode == 0, again.stdout + again.stderr
     assert "done: 0 steps (3 in the run" in again.stdout and "sft step" not in again.stdout
     assert len(read_metrics(store, "run")) == len(rows)
+
+
+def test_sft_with_lora_writes_a_merged_model(tiny, tmp_path):
+    """`sluiceway sft --lora-rank`: the adapters train and the final weights are an HF model with them merged."""
+    import torch
+
+    from sluiceway.models.zoo import load_hf_state_dict
+
+    path, _, cache = tiny
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"input": TWO_TURNS}) + "\n" + json.dumps({"input": TWO_TURNS[:2]}) + "\n")
+    run_dir = tmp_path / "run"
+    args = [
+        "--prompt-data", str(data), "--output-dir", str(run_dir), "--hf-checkpoint", "tiny-llama",
+        "--global-batch-size", "2", "--micro-batch-size", "2", "--num-epoch", "3", "--lr", "1e-2",
+        "--lora-rank", "4", "--target-modules", "q_proj", "v_proj",
+    ]  # fmt: skip
+    proc = sft_cli(*args, cache=cache, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    loss = {r["step"]: r["value"] for r in read_metrics(ObjectStore.from_uri(str(run_dir / "tables")), "run")
+            .to_pylist() if r["name"] == "train/loss"}  # fmt: skip
+    assert len(loss) == 3 and loss[2] < loss[0]
+    merged, base = load_hf_state_dict(run_dir / "weights" / "v000003"), load_hf_state_dict(path)
+    changed = {k for k in merged if not torch.equal(merged[k], base[k].to(merged[k].dtype))}
+    assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed)
+    ckpt = torch.load(run_dir / "checkpoints" / "latest" / "tp0.pt", map_location="cpu", weights_only=False)
+    assert all(k.endswith(("_A", "_B")) for k in ckpt["model"])
