@@ -74,10 +74,12 @@ def test_a_failing_group_reports_its_error(tiny, tmp_path):
         RemoteTrainer(kwargs, nproc=2, work_dir=tmp_path)
 
 
-@pytest.mark.parametrize("layout", [{"tp": 2}, {"tp": 1}], ids=["tp2", "dp2"])
+@pytest.mark.parametrize(
+    "layout", [{"tp": 2}, {"tp": 1}, {"tp": 1, "use_distributed_optimizer": True}], ids=["tp2", "dp2", "dp2-zero"]
+)
 def test_lora_group_matches_one_process(tiny, tmp_path, layout):
     """--lora-rank in a torchrun group: the adapters' gradients (peft's keys, TP slices merged) and the adapter
-    written after a step equal one process's."""
+    written after a step equal one process's (also with the adapters' optimizer state sharded over DP)."""
     from sluiceway.models.lora import read_adapter_dir
 
     path, tok = tiny
