@@ -130,6 +130,35 @@ class RolloutConfig(_Group):
         description="'module:fn' or 'file.py:fn': an async function driving multi-turn generation "
         "(see tasks/rollout/multiturn.py).",
     )
+    agent_function_path: str | None = Field(
+        None,
+        description="'module:fn' or 'file.py:fn': your agent, fn(base_url, api_key, prompt) (sync or async), run "
+        "once per sample against the run's OpenAI-compatible, token-recording endpoint instead of the default "
+        "generate; it returns a reward or None (see docs/agents.md). Imported when the config is read.",
+    )
+
+    @field_validator("agent_function_path")
+    @classmethod
+    def _load_agent_function(cls, path: str | None) -> str | None:
+        """An agent that does not import is one line when the config is read, not a failure mid-rollout."""
+        if path is None:
+            return path
+        from sluiceway.infra.plugins import load_function
+
+        try:
+            fn = load_function(path, "--agent-function-path")
+        except UserError as e:
+            raise ValueError(str(e).removeprefix("--agent-function-path ")) from None
+        import inspect
+
+        try:
+            inspect.signature(fn).bind("", "", {})
+        except TypeError:
+            raise ValueError(f"{path} must take (base_url, api_key, prompt)") from None
+        except ValueError:
+            pass  # no signature to check
+        return path
+
     dynamic_sampling_filter_path: str | None = Field(
         None,
         description="Drop groups at rollout time and over-sample until enough pass: 'zero_std' (DAPO), "
@@ -724,6 +753,10 @@ class RunConfig(_Group):
             raise ValueError("rm_type remote needs rm_url (--rm-url http://host:port/score)")
         if r.partial_rollout and r.custom_generate_function_path:
             raise ValueError("partial_rollout cannot continue custom (multi-turn) generations: use one or the other")
+        if r.agent_function_path and r.custom_generate_function_path:
+            raise ValueError("agent_function_path and custom_generate_function_path both replace the generate")
+        if r.partial_rollout and r.agent_function_path:
+            raise ValueError("partial_rollout cannot continue agent sessions: use one or the other")
         if r.rollout_num_engines == 0 and not r.rollout_external_engine_addrs:
             raise ValueError("no engines: set rollout_num_engines >= 1 or rollout_external_engine_addrs")
         self.remote_pools  # noqa: B018 - parses and checks each NAME=URL

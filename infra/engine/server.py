@@ -214,6 +214,30 @@ def _per_item(value: Any, n: int, name: str, batched: bool) -> list[Any]:
     return [value] * n
 
 
+REQUEST_LOG_ENV = "SLUICEWAY_ENGINE_REQUEST_LOG"
+
+
+def _log_request(req: GenerateRequest, out: GenerateOutput) -> None:
+    """Opt-in ($SLUICEWAY_ENGINE_REQUEST_LOG=path): one JSON line per finished non-streamed /generate request,
+    the ids the engine took in and gave out with their log-probs (what tests compare stored trajectories with).
+    Engines sharing the file append whole lines (one write each)."""
+    import os
+
+    path = os.environ.get(REQUEST_LOG_ENV)
+    if not path:
+        return
+    line = json.dumps({
+        "rid": out.rid, "input_ids": list(req.input_ids), "output_ids": list(out.output_ids),
+        "output_logprobs": list(out.output_logprobs), "finish_reason": out.finish_reason,
+        "weight_version": out.weight_version,
+    })  # fmt: skip
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
 class EngineServer:
     """The FastAPI app around one Engine."""
 
@@ -390,6 +414,7 @@ class EngineServer:
                                          self.engine.weight_version, text="")  # fmt: skip
                 else:
                     out = await asyncio.wrap_future(h.future)
+                    _log_request(r, out)
                 item = self._item(out, lp, t0)
                 if start is not None:
                     try:

@@ -18,6 +18,7 @@ from sluiceway.storage.datasets import import_prompts, import_records, load_prom
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.tasks.environments import generate_env
 from sluiceway.tasks.environments.adaptive_source import AdaptivePromptSource
+from sluiceway.tasks.rollout.agent_proxy import AgentGenerate, load_agent_function
 from sluiceway.tasks.rollout.multiturn import load_custom_generate
 from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings
 
@@ -72,7 +73,7 @@ def render_items(cfg: RunConfig, tokenizer, rows: list[dict]) -> list[PromptItem
                 f"prompt {row['prompt_id']}: {len(ids)} tokens exceeds --rollout-max-prompt-len "
                 f"{cfg.rollout.rollout_max_prompt_len}"
             )
-        items.append(PromptItem(row["prompt_id"], text, ids, row.get("label"), row.get("metadata") or {}))
+        items.append(PromptItem(row["prompt_id"], text, ids, row.get("label"), row.get("metadata") or {}, prompt))
     return items
 
 
@@ -97,6 +98,7 @@ def build_rollout_settings(cfg: RunConfig, tokenizer, hf_dir: Path) -> RolloutSe
         groups_submitted=r.over_sampling_batch_size or r.rollout_batch_size, max_concurrency=r.rollout_max_concurrency,
         partial_rollout=r.partial_rollout, mask_offpolicy=r.mask_offpolicy_in_partial_rollout,
         custom_generate=load_custom_generate(r.custom_generate_function_path) if r.custom_generate_function_path
+        else AgentGenerate(load_agent_function(r.agent_function_path)) if r.agent_function_path
         else None, tokenizer=tokenizer,
     )  # fmt: skip
 

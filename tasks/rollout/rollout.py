@@ -51,6 +51,7 @@ class PromptItem:
     token_ids: list[int]
     label: str | None
     metadata: dict
+    source: object = None  # the dataset's prompt before rendering (a string or messages): what agents get
 
 
 def prompt_indices_for_step(n_prompts: int, step: int, batch_size: int, seed: int) -> list[int]:
@@ -177,15 +178,19 @@ def _row(run_id, step, w: GroupWork, i: int, res, decode, s: RolloutSettings, en
     if part.from_step is not None:
         meta["continued_from_step"] = part.from_step
         meta["offpolicy_tokens"] = len(part.token_ids)
+    if getattr(res, "abort_reason", None):
+        meta["abort_reason"] = res.abort_reason
+    # An agent session (tasks/rollout/agent_proxy.py) renders its own prompt and may bring the agent's reward.
+    agent_reward = getattr(res, "reward", None)
     return {
         "run_id": run_id,
         "step": step,
         "group_id": w.group_id,
         "sample_index": i,
         "prompt_id": w.prompt.prompt_id,
-        "prompt": w.prompt.text,
+        "prompt": getattr(res, "prompt_text", None) or w.prompt.text,
         "label": w.prompt.label,
-        "prompt_token_ids": w.prompt.token_ids,
+        "prompt_token_ids": getattr(res, "prompt_ids", None) or w.prompt.token_ids,
         "response_token_ids": tokens,
         "response_text": decode(tokens),
         "rollout_logprobs": part.logprobs + res.logprobs,
@@ -199,7 +204,9 @@ def _row(run_id, step, w: GroupWork, i: int, res, decode, s: RolloutSettings, en
         "gen_time_s": res.latency_s,
         "created_at": datetime.now(UTC),
         "metadata": json.dumps(meta),
-    }
+        **({"reward": agent_reward, "reward_details": json.dumps({"source": "agent"})} if agent_reward is not None
+           else {}),
+    }  # fmt: skip
 
 
 @dataclass
