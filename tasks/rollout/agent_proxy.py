@@ -365,8 +365,9 @@ class AgentSession:
         if buf is None:
             buf = TokenBuffer(list(self.ctx_prompt_ids))
         out = AgentResult(
-            prompt_ids=buf.prompt_ids, token_ids=buf.token_ids, logprobs=buf.logprobs, loss_mask=buf.loss_mask,
-            weight_versions=buf.weight_versions, finish_reason="abort" if reason else buf.finish_reason,
+            prompt_ids=list(buf.prompt_ids), token_ids=list(buf.token_ids), logprobs=list(buf.logprobs),
+            loss_mask=list(buf.loss_mask), weight_versions=list(buf.weight_versions),
+            finish_reason="abort" if reason else buf.finish_reason,
             turns=buf.turns, latency_s=buf.latency_s, prompt_text=self.prompt_text or None,
             reward=None if reason else self.reward, abort_reason=reason,
         )  # fmt: skip
@@ -583,6 +584,8 @@ class AgentGenerate:
                 )
             if isinstance(out, int | float) and not isinstance(out, bool) and s.reward is None and not s.aborted:
                 s.reward = float(out)
+            if s._lock is not None and s._lock.locked():  # returned with a call unanswered: the agent left it
+                s.aborted = s.aborted or DROPPED
         except Exception as e:  # noqa: BLE001 - the agent's failure is the sample's, stored as aborted
             s.aborted = s.aborted or f"the agent function raised {type(e).__name__}: {str(e)[:200]}"
         finally:
