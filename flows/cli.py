@@ -33,6 +33,7 @@ from typing import Literal, get_args, get_origin
 
 import yaml
 
+from sluiceway.flows import slime_compat
 from sluiceway.flows.config import RunConfig, build_config, load_yaml
 from sluiceway.flows.weights_cmd import add_parser as add_weights_parser
 from sluiceway.infra.errors import UserError
@@ -99,6 +100,14 @@ def make_parser() -> argparse.ArgumentParser:
                 help="plan against this much memory (per GPU with --device cuda) instead of what is here",
             )
         _add_field_arguments(p)
+        slime_compat.add_arguments(p)
+        if cmd in ("run", "config", "plan"):
+            p.add_argument(
+                "--from-slime-script",
+                metavar="SCRIPT.sh",
+                help="take the flags of a slime launch script (its *_ARGS arrays, the model files it sources, its "
+                "train.py line), print how each is treated, then run; flags after it override the script's",
+            )
     res = sub.add_parser("resume", help="run a failed or killed run again from its first unfinished stage")
     res.add_argument("run", help="the run's output directory, or its run id (looked up under --runs-root)")
     res.add_argument("--runs-root", default="runs", help="where run ids are looked up (default ./runs)")
@@ -165,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from sluiceway.infra.sglang_launcher import split_sglang_args
 
-        argv, sglang_args = split_sglang_args(list(sys.argv[1:] if argv is None else argv))
+        argv = _from_slime_script(list(sys.argv[1:] if argv is None else argv))
+        argv, sglang_args = split_sglang_args(argv)
         args = make_parser().parse_args(argv)
+        given = slime_compat.take(args)
         if sglang_args:
             vars(args)["rollout.sglang_server_args"] = sglang_args
         if args.command in ("weights", "ckpt"):
@@ -242,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "sft":
             vars(args).setdefault("algorithm.loss_type", "sft_loss")  # what makes the config an SFT one
         cfg = resolve_config(args)
+        slime_compat.check_architecture(given, cfg.training.hf_checkpoint)  # before anything expensive
+        slime_compat.report(given, cfg)
         if args.command == "plan":
             from sluiceway.flows.plan import print_plan
 
@@ -269,6 +282,30 @@ def main(argv: list[str] | None = None) -> int:
         return out.exit_code
 
 
+def _from_slime_script(argv: list[str]) -> list[str]:
+    """`--from-slime-script FILE`: the script's train.py flags in its place (later flags override them)."""
+    for i, word in enumerate(argv):
+        if word == "--":
+            break
+        if word == "--from-slime-script" or word.startswith("--from-slime-script="):
+            if "=" in word:
+                path, rest = word.split("=", 1)[1], argv[i + 1 :]
+            elif i + 1 < len(argv):
+                path, rest = argv[i + 1], argv[i + 2 :]
+            else:
+                raise UserError("--from-slime-script: expected a slime launch script")
+            from sluiceway.flows.slime_script import read_slime_script
+
+            script = read_slime_script(path)
+            print(f"slime script {path}: {len(script.argv)} words from its train.py line"
+                  + (f" (sourced: {', '.join(str(p) for p in script.sources)})" if script.sources else ""),
+                  file=sys.stderr)  # fmt: skip
+            for line in slime_compat.describe(script.argv):
+                print(line, file=sys.stderr)
+            return [*argv[:i], *script.argv, *rest]
+    return argv
+
+
 _RUN_DIR: list[Path] = []
 _CONSOLE: list[bool] = []  # set by `entry`: this process is the sluiceway command, not a test calling main()
 
@@ -287,6 +324,7 @@ def _dispatch(command: str, cfg: RunConfig) -> int:
     if _CONSOLE:
         send_native_stderr_to_log(cfg)
     configure_logging(cfg)
+    slime_compat.log_pending()  # slime flags not applicable here, once in the run's log
     # Resolved before the run record is written (a resumed run keeps the precision it started with) and before
     # the engines start; the flow logs the choice once everything is checked.
     cfg = resolve_precision(cfg, announce=False)

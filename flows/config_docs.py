@@ -8,6 +8,7 @@ from __future__ import annotations
 from pydantic_core import PydanticUndefined
 
 from sluiceway.flows.config import RunConfig
+from sluiceway.flows.slime_compat import render_table
 
 
 def _default(field) -> str:
@@ -34,6 +35,16 @@ def render_markdown() -> str:
             desc = (f.description or "").replace("|", "\\|")
             lines.append(f"| `--{name.replace('_', '-')}` | {_default(f)} | {desc} |")
         lines.append("")
+    lines += [
+        "## slime's other flags",
+        "",
+        "Flags of slime's launch scripts that are not fields: implemented, mapped onto a field, not applicable",
+        "on this device (logged once), or model architecture checked against `--hf-checkpoint`'s config.json",
+        "(docs/slime.md; `--from-slime-script FILE` reads a script's flags).",
+        "",
+        *render_table(),
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -26,9 +26,10 @@ def split_sglang_args(argv: list[str]) -> tuple[list[str], list[str]]:
             sglang.append("--" + name[len(SGLANG_FLAG_PREFIX) :])
             if eq:
                 sglang.append(value)
-            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                sglang.append(argv[i + 1])
-                i += 1
+            else:  # every value up to the next flag (SGLang's list flags: --cuda-graph-bs 1 2 4 8)
+                while i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                    sglang.append(argv[i + 1])
+                    i += 1
         else:
             rest.append(arg)
         i += 1

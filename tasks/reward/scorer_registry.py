@@ -21,6 +21,19 @@ BUILTIN: dict[str, Callable[[str, str], tuple[float, dict]]] = {
     "exact": exact_reward,
     "code": code_reward,  # runs the response's code in the sandbox (reward/sandbox.py) against the label's tests
 }
+
+
+def deepscaler_reward(response: str, label: str) -> tuple[float, dict]:
+    """slime's --rm-type deepscaler: the answer after the last </think> (or ###Response) graded as `math`;
+    0 when the response has neither marker (slime's rm_hub/deepscaler.py)."""
+    for marker in ("</think>", "###Response"):
+        if marker in response:
+            solution = response.split(marker)[-1] if marker == "</think>" else response.split(marker)[1]
+            return math_reward(solution, label)
+    return 0.0, {"reason": "no </think> or ###Response"}
+
+
+BUILTIN["deepscaler"] = deepscaler_reward
 # Scorers that need the whole sample: `env` routes to the verifier of the environment that made the prompt.
 BUILTIN_WITH_SAMPLE: dict[str, Callable[[str, str, dict], tuple[float, dict]]] = {"env": env_reward}
 RM_TYPES = [*BUILTIN, *BUILTIN_WITH_SAMPLE, "remote"]

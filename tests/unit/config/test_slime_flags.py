@@ -1,0 +1,207 @@
+"""slime's launch-script flags through the real `sluiceway` parser and config (issue 23): every flag of six of
+slime's scripts is implemented, mapped, not applicable here or a model-architecture flag that agrees with the
+checkpoint; none is rejected. Nothing runs: `sluiceway config` resolves the config and prints it."""
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+from sluiceway.flows import cli, slime_compat
+from sluiceway.flows.slime_script import read_slime_script
+from sluiceway.infra.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[3]
+DATA = ROOT / "tests" / "data" / "slime_flags"
+SLIME = DATA / "slime"
+CONFIGS = DATA / "hf_configs"
+
+# flag list -> (the slime script it was read from, the HF checkpoint it names, as a config.json here)
+SCRIPTS = {
+    "run-qwen3-4B": ("scripts/run-qwen3-4B.sh", "Qwen3-4B"),
+    "run-glm4-9B": ("scripts/run-glm4-9B.sh", "GLM-Z1-9B-0414"),
+    "run-qwen3-30B-A3B": ("scripts/run-qwen3-30B-A3B.sh", "Qwen3-30B-A3B"),
+    "run-qwen2.5-0.5B-fully_async": ("examples/fully_async/run-qwen2.5-0.5B-fully_async.sh", "Qwen2.5-0.5B-Instruct"),
+    "run_qwen2.5_3B": ("examples/search-r1/run_qwen2.5_3B.sh", "Qwen2.5-3B"),
+    "run-glm4.7-30B-A3B-delta": ("examples/delta_weight_sync/run-glm4.7-30B-A3B-delta.sh", "GLM-4.7-Flash"),
+}
+# scripts/models/qwen3-30B-A3B.sh builds this with a loop and printf -v, which the reader does not run
+ENV = {"MOE_LAYER_FREQ": "[" + ",".join(["1"] * 48) + "]"}
+KINDS = {slime_compat.IMPLEMENTED, slime_compat.MAPPED, slime_compat.NOT_APPLICABLE, slime_compat.ARCHITECTURE}
+
+
+def flag_lines(name: str) -> list[list[str]]:
+    lines = (DATA / f"{name}.flags").read_text().splitlines()
+    return [shlex.split(line) for line in lines if line.strip() and not line.startswith("#")]
+
+
+def run_config(argv: list[str], capsys) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = cli.main(["config", *argv])
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_the_flag_lists_are_the_scripts_flags(name):
+    """The copied lists are what slime's scripts pass to train.py (the reader splices arrays and sourced files)."""
+    script, _ = SCRIPTS[name]
+    words = read_slime_script(SLIME / script, env=ENV).argv
+    assert words == [w for line in flag_lines(name) for w in line]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_flag_of_slimes_scripts_is_accepted(name, capsys):
+    lines = flag_lines(name)
+    for line in lines:
+        assert slime_compat.classify(line[0]) in KINDS, f"{line[0]} of {name} is unknown"
+    words = [w for line in lines for w in line]
+    rc, err = run_config([*words, "--hf-checkpoint", str(CONFIGS / SCRIPTS[name][1])], capsys)
+    assert rc == 0, err
+    assert err == ""
+    report = "\n".join(slime_compat._PENDING)
+    flags = {line[0] for line in lines}
+    for flag in flags:
+        kind = slime_compat.classify(flag)
+        if kind == slime_compat.NOT_APPLICABLE:  # reported, once, in the line the run logs
+            (na_line,) = [x for x in slime_compat._PENDING if "not applicable" in x]
+            assert flag in na_line
+        elif kind == slime_compat.ARCHITECTURE:
+            assert flag in report
+    assert sum("not applicable" in x for x in slime_compat._PENDING) <= 1
+
+
+def test_counts_over_the_six_scripts():
+    """What the issue counted as rejected (128 of 318 run flags, all 130 architecture flags) is accepted now."""
+    uses = [line[0] for name in SCRIPTS for line in flag_lines(name)]
+    kinds = [slime_compat.classify(f) for f in uses]
+    assert None not in kinds
+    distinct = {f: slime_compat.classify(f) for f in uses}
+    by_kind = {k: sum(1 for v in distinct.values() if v == k) for k in KINDS}
+    assert by_kind[slime_compat.ARCHITECTURE] >= 40 and by_kind[slime_compat.NOT_APPLICABLE] >= 20
+
+
+def test_mapped_flags_become_fields(tmp_path, capsys):
+    import yaml
+
+    capsys.readouterr()
+    rc = cli.main(["config", "--prompt-data", "env:arithmetic", "--save", str(tmp_path / "r"), "--load",
+                   str(tmp_path / "r"), "--update-weight-disk-dir", str(tmp_path / "w"), "--update-weight-mode",
+                   "delta", "--rollout-function-path",
+                   "slime.rollout.fully_async_rollout.generate_rollout_fully_async"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    cfg = yaml.safe_load(out)
+    assert cfg["storage"]["output_dir"] == str(tmp_path / "r")
+    assert cfg["sync"]["weights_uri"] == str(tmp_path / "w")
+    assert cfg["rollout"]["mode"] == "fully-async"
+    args = cli.make_parser().parse_args(["run", "--save", "d", "--colocate"])
+    given = slime_compat.take(args)
+    assert vars(args)["storage.output_dir"] == "d"
+    assert given.of_kind(slime_compat.NOT_APPLICABLE) == {"--colocate": True}
+
+
+def test_hidden_size_contradiction_is_one_line(capsys):
+    words = [w for line in flag_lines("run-qwen3-4B") for w in line]
+    words[words.index("--hidden-size") + 1] = "4096"
+    checkpoint = str(CONFIGS / "Qwen3-4B")
+    rc, err = run_config([*words, "--hf-checkpoint", checkpoint], capsys)
+    assert rc == 2
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert (
+        err
+        == f"error: --hidden-size 4096 contradicts --hf-checkpoint {checkpoint}: its config.json has hidden_size 2560\n"
+    )
+
+
+def test_architecture_of_another_model_is_refused(capsys):
+    """slime's Qwen3-30B-A3B model flags against a dense checkpoint: the first contradiction, one line."""
+    words = [w for line in flag_lines("run-qwen3-30B-A3B") for w in line]
+    rc, err = run_config([*words, "--hf-checkpoint", str(CONFIGS / "Qwen3-4B")], capsys)
+    assert rc == 2 and err.count("\n") == 1
+    assert "contradicts" in err and "Qwen3-4B" in err
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--optimizer", "sgd"], "--optimizer sgd"),
+        (["--hidden-dropout", "0.1"], "hidden dropout"),
+        (["--moe-aux-loss-coeff", "0.01"], "auxiliary loss"),
+        (["--rollout-function-path", "my.rollout.fn"], "--custom-generate-function-path"),
+    ],
+)
+def test_settings_that_change_results_and_are_not_implemented_are_refused(flags, needle, capsys):
+    rc, err = run_config(["--hf-checkpoint", "tiny-llama", *flags], capsys)
+    assert rc == 2 and err.count("\n") == 1 and needle in err, err
+
+
+def test_load_elsewhere_holding_a_checkpoint_is_refused(tmp_path, capsys):
+    ckpt = tmp_path / "megatron"
+    ckpt.mkdir()
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("20")
+    rc, err = run_config(["--load", str(ckpt), "--save", str(tmp_path / "run")], capsys)
+    assert rc == 2 and "convert_torch_dist_to_hf" in err and err.count("\n") == 1
+    rc, err = run_config(
+        ["--load", str(tmp_path / "e"), "--save", str(tmp_path / "r"), "--prompt-data", "env:x"], capsys
+    )
+    assert rc == 0, err  # nothing to continue from: slime starts from --ref-load, sluiceway from --hf-checkpoint
+
+
+def test_help_says_how_slime_flags_are_treated(capsys):
+    with pytest.raises(SystemExit):
+        cli.make_parser().parse_args(["run", "--help"])
+    out = capsys.readouterr().out
+    assert "slime compatibility" in out and "--from-slime-script" in out
+    assert "[mapped] onto --output-dir" in out and "[not applicable]" in out
+
+
+def test_from_slime_script_reads_and_prints(capsys, monkeypatch):
+    monkeypatch.setenv("MOE_LAYER_FREQ", ENV["MOE_LAYER_FREQ"])
+    script = SLIME / "scripts" / "run-qwen3-4B.sh"
+    rc, err = run_config(["--from-slime-script", str(script), "--hf-checkpoint", str(CONFIGS / "Qwen3-4B")], capsys)
+    assert rc == 0, err
+    assert "sourced:" in err and "models/qwen3-4B.sh" in err
+    assert "--attention-backend flash  ->  not applicable" in err
+    assert "--save /root/Qwen3-4B_slime/  ->  mapped" in err
+
+
+def test_unreadable_script_value_is_one_line_naming_file_and_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("MOE_LAYER_FREQ", raising=False)
+    rc, err = run_config(["--from-slime-script", str(SLIME / "scripts" / "run-qwen3-30B-A3B.sh")], capsys)
+    assert rc == 2 and err.count("\n") == 1
+    assert "qwen3-30B-A3B.sh:16" in err and "MOE_LAYER_FREQ" in err
+
+
+def test_script_reader(tmp_path):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "m.sh").write_text("N=4\nMODEL_ARGS=(\n   --num-layers $((N * 2))  # eight\n)\n")
+    (tmp_path / "run.sh").write_text(
+        'SCRIPT_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" &>/dev/null && pwd)"\n'
+        'source "${SCRIPT_DIR}/models/m.sh"\n'
+        "DIR=${DIR:-/data}\n"
+        'A_ARGS=(\n   # a comment\n   --prompt-data "${DIR}/x.jsonl"\n   --sglang-cuda-graph-bs $(seq 1 2 5)\n'
+        "   --input-key 'my key'\n)\n"
+        'python3 train.py \\\n   --colocate \\\n   ${MODEL_ARGS[@]} \\\n   "${A_ARGS[@]}"\n'
+    )
+    s = read_slime_script(tmp_path / "run.sh", env={})
+    assert s.argv == ["--colocate", "--num-layers", "8", "--prompt-data", "/data/x.jsonl",
+                      "--sglang-cuda-graph-bs", "1", "3", "5", "--input-key", "my key"]  # fmt: skip
+    assert read_slime_script(tmp_path / "run.sh", env={"DIR": "/d"}).argv[4] == "/d/x.jsonl"
+    (tmp_path / "bad.sh").write_text("X=(\n --a $(nvidia-smi -L)\n)\n")
+    with pytest.raises(UserError, match=r"bad.sh:1: cannot evaluate the command substitution"):
+        read_slime_script(tmp_path / "bad.sh", env={})
+
+
+def test_docs_are_current():
+    doc = ROOT / "docs" / "slime.md"
+    assert doc.read_text() == slime_compat.render_markdown(), "regenerate: python -m sluiceway.flows.slime_compat"
+
+
+def test_rm_type_deepscaler():
+    """slime's scripts score with --rm-type deepscaler: the answer after </think>, none without it."""
+    from sluiceway.tasks.reward.scorer_registry import get_scorer
+
+    score = get_scorer("deepscaler", None)
+    assert score("<think>2 + 3 = 6?</think> so \\boxed{5}", "5", {})[0] == 1.0
+    assert score("<think>...</think> \\boxed{6}", "5", {})[0] == 0.0
+    assert score("\\boxed{5}", "5", {})[0] == 0.0  # no </think>: slime scores 0
