@@ -75,6 +75,9 @@ def test_openai_tool_agent_trains_two_steps_with_the_engines_tokens(tmp_path):
                 np.testing.assert_allclose(lps[start : start + len(out)], rec["output_logprobs"], rtol=0, atol=1e-6)
                 pos = start + len(out)
             assert pos == len(ids) and f"{rid}#3" not in engine_log
+    # The run's API key is handed to the agent only: nothing the run wrote holds it.
+    for f in run_dir.rglob("*"):
+        assert not f.is_file() or b"sk-sluiceway-" not in f.read_bytes(), f
     m = read_metrics(store, "run").to_pylist()
     losses = {r["step"]: r["value"] for r in m if r["name"] == "train/loss"}
     assert set(losses) == {0, 1} and all(math.isfinite(v) for v in losses.values())

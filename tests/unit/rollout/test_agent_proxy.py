@@ -238,6 +238,24 @@ async def agent(base_url, api_key, prompt):
     assert res.abort_reason is None and res.reward == 1.0 and res.turns == 1
 
 
+def test_an_agent_giving_no_reward_leaves_the_row_to_the_reward_function(tiny, tmp_path):
+    _, tok = tiny
+    path = _agent_module(
+        tmp_path,
+        """
+import openai
+
+def agent(base_url, api_key, prompt):
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    client.completions.create(model="policy", prompt=prompt["prompt"], max_tokens=3)
+""",
+    )
+    engine = ScriptedEngine(tok, ["twelve"])
+    res = _run_agent(tok, path, engine)
+    assert res.abort_reason is None and res.reward is None and res.finish_reason == "stop" and res.turns == 1
+    assert engine.calls[0]["params"]["max_new_tokens"] == 3 and res.loss_mask == [1] * len(res.token_ids)
+
+
 @pytest.mark.parametrize("how", ["dropped", "left", "raised", "no_call"])
 def test_abandoned_sessions_are_aborted(tiny, tmp_path, how):
     _, tok = tiny
