@@ -9,6 +9,8 @@ one place that knows the rest of the flags slime's launch scripts (`scripts/*.sh
 - mapped: rewritten onto a sluiceway field (`--save DIR` is `--output-dir DIR`);
 - not applicable: a setting of how GPU kernels, collectives or placement run, which does not change results here;
   accepted and reported once in the run's log;
+- refused: a setting that changes results and is not implemented here: one error line saying so (none of
+  slime's `scripts/run-qwen3-4B.sh`-style RL scripts needs one; see docs/slime.md);
 - architecture: a Megatron model-architecture flag, checked against `--hf-checkpoint`'s config.json before
   anything starts: agreeing is accepted, a contradiction is one line naming both values.
 
@@ -32,6 +34,7 @@ SLIME_COMMIT = "624b824a898ab0ec1fcb4d373004c7f3852bf515"  # the THUDM/slime com
 DEST = "slime:"  # argparse dest prefix of these flags (no dot: flows/cli.py's config overrides are `group.field`)
 
 IMPLEMENTED, MAPPED, NOT_APPLICABLE, ARCHITECTURE = "implemented", "mapped", "not applicable", "architecture"
+REFUSED = "refused"  # changes results in a way sluiceway does not implement: one error line saying so
 
 log = logging.getLogger("sluiceway.slime")
 
@@ -267,6 +270,44 @@ ARCH_FLAGS: dict[str, Flag] = {
         nargs=0,
     ),
     "--moe-router-topk-scaling-factor": _arch("routed_scaling_factor", _moe(_eq("routed_scaling_factor"))),
+    "--moe-router-num-groups": _arch("n_group (grouped routing)", _moe(_eq("n_group"))),
+    "--moe-router-group-topk": _arch("topk_group (grouped routing)", _moe(_eq("topk_group"))),
+    "--moe-shared-expert-gate": _arch(
+        "a gated shared expert (qwen2_moe, qwen3_next, qwen3_5_moe)",
+        _moe(
+            lambda c, v: (_model_type(c) in ("qwen2_moe", "qwen3_next", "qwen3_5_moe"), f"model_type {_model_type(c)}")
+        ),
+        nargs=0,
+    ),  # fmt: skip
+    "--max-position-embeddings": _arch("max_position_embeddings", _eq("max_position_embeddings")),
+    "--rotary-scaling-factor": _arch("rope_scaling.factor (YaRN)", _eq("factor")),
+    "--mscale": _arch("rope_scaling.mscale (YaRN)", _eq("mscale")),
+    "--mscale-all-dim": _arch("rope_scaling.mscale_all_dim (YaRN)", _eq("mscale_all_dim")),
+    "--use-gated-attention": _arch(
+        "Qwen3-Next / Qwen3.5 gated attention (model_type qwen3_next, qwen3_5*)",
+        _switch(
+            lambda c: _model_type(c).startswith(("qwen3_next", "qwen3_5")), lambda c: f"model_type {_model_type(c)}"
+        ),
+        nargs=0,
+    ),  # fmt: skip
+    "--attention-output-gate": _arch(
+        "Qwen3-Next / Qwen3.5 attention output gate (model_type qwen3_next, qwen3_5*)",
+        _switch(
+            lambda c: _model_type(c).startswith(("qwen3_next", "qwen3_5")), lambda c: f"model_type {_model_type(c)}"
+        ),
+        nargs=0,
+    ),  # fmt: skip
+    "--apply-layernorm-1p": _arch(
+        "zero-centred norms, weight + 1 (model_type qwen3_next, qwen3_5*)",
+        _switch(
+            lambda c: _model_type(c).startswith(("qwen3_next", "qwen3_5")), lambda c: f"model_type {_model_type(c)}"
+        ),
+        nargs=0,
+    ),  # fmt: skip
+    "--mtp-num-layers": _arch(
+        "num_nextn_predict_layers (multi-token prediction layers, not trained here)",
+        _eq("num_nextn_predict_layers", default=0),
+    ),  # fmt: skip
     # multi-latent attention
     "--multi-latent-attention": _arch("kv_lora_rank present", _mla(lambda c, v: (True, "")), nargs=0),
     "--q-lora-rank": _arch("q_lora_rank", _mla(_eq("q_lora_rank"))),
@@ -361,6 +402,13 @@ RUN_FLAGS: dict[str, Flag] = {
             "--moe-router-bias-update-rate", (0.0,), "sluiceway does not update the router's expert bias (give 0)"
         ),
     ),
+    "--calculate-per-token-loss": Flag(
+        MAPPED,
+        "onto --loss-agg-mode token_mean (every token of the global batch weighs the same); without it slime's loss "
+        "is the mean of per-sample token means, --loss-agg-mode seq_mean_token_mean, which a slime command line "
+        "gets by default",
+        nargs=0,
+    ),
     "--use-dynamic-batch-size": Flag(
         MAPPED,
         "micro-batches packed up to --max-tokens-per-gpu tokens: sluiceway "
@@ -431,6 +479,32 @@ RUN_FLAGS: dict[str, Flag] = {
         "which tokens are dropped past an expert capacity; without a capacity factor "
         "(slime's scripts set none) none are"
     ),  # fmt: skip
+    "--moe-enable-deepep": _na("DeepEP's expert-parallel all-to-all kernels", nargs=0),
+    "--no-masked-softmax-fusion": _na("the fused masked-softmax kernel (off here)", nargs=0),
+    "--no-gradient-accumulation-fusion": _na("the fused weight-gradient accumulation kernel (off here)", nargs=0),
+    "--no-check-for-nan-in-loss-and-grad": _na("Megatron's NaN check of the loss and gradients", nargs=0),
+    "--no-offload-train": _na("keeps the trainer on the GPU while engines generate (colocation)", nargs=0),
+    "--no-offload-rollout": _na("keeps the engines on the GPU while the trainer runs (colocation)", nargs=0),
+    "--update-weight-buffer-size": _na("the chunk size of a weight update (same weights)"),
+    "--decoder-last-pipeline-num-layers": _na("layers of the last pipeline stage (a pipeline layout)"),
+    "--model-name": _na("names the model for slime's Megatron-to-HF weight converter; here the HF config says"),
+    "--mtp-loss-scaling-factor": _na("the MTP loss weight, used only with --enable-mtp-training (refused)"),
+    "--use-tensorboard": Flag(
+        IMPLEMENTED,
+        "TensorBoard event files: sluiceway always writes them (--tensorboard-dir, default OUTPUT_DIR/tensorboard)",
+        nargs=0,
+    ),  # fmt: skip
+    "--enable-mtp-training": Flag(
+        REFUSED,
+        "trains multi-token-prediction layers alongside the policy: not implemented (the policy's loss would differ)",
+        nargs=0,
+    ),  # fmt: skip
+    "--rollout-stop-token-ids": Flag(
+        REFUSED,
+        "extra stop tokens for generation: not implemented yet (responses "
+        "would run past them); generation stops at the tokenizer's EOS",
+        nargs="+",
+    ),
     "--moe-router-load-balancing-type": _na("the auxiliary loss kind, which --moe-aux-loss-coeff 0 switches off"),
 }
 
@@ -483,6 +557,8 @@ def take(args: argparse.Namespace) -> Given:
     given = Given({k[len(DEST) :]: ns.pop(k) for k in list(ns) if k.startswith(DEST)})
     for flag, value in given.flags.items():
         spec = SLIME_FLAGS[flag]
+        if spec.kind == REFUSED:
+            raise UserError(f"{flag}{_shown(value)}: {spec.note}")
         for (group, name), v in (spec.apply(value) if spec.apply else {}).items():
             key = f"{group}.{name}"
             if key in ns and ns[key] != v:
@@ -490,6 +566,7 @@ def take(args: argparse.Namespace) -> Given:
             ns[key] = v
     if given.flags:
         _slime_layout(ns, given, _ray_address(args))
+        _slime_defaults(ns, given, _yaml_keys(args))
     save, load = given.flags.get("--save"), given.flags.get("--load")
     if load is not None:
         out = ns.get("storage.output_dir", save)
@@ -540,14 +617,52 @@ def _slime_layout(ns: dict, given: Given, ray: bool) -> None:
         )
 
 
-def _ray_address(args: argparse.Namespace) -> bool:
-    if vars(args).get("resources.ray_address"):
-        return True
-    if getattr(args, "config_file", None):
-        from sluiceway.flows.config import load_yaml
+def _yaml_keys(args: argparse.Namespace) -> dict[str, Any]:
+    """`group.field` -> value of the YAML config file, if one was given."""
+    if not getattr(args, "config_file", None):
+        return {}
+    from sluiceway.flows.config import load_yaml
 
-        return bool((load_yaml(args.config_file).get("resources") or {}).get("ray_address"))
-    return False
+    base = load_yaml(args.config_file)
+    return {f"{g}.{k}": v for g, fields in base.items() if isinstance(fields, dict) for k, v in fields.items()}
+
+
+def _ray_address(args: argparse.Namespace) -> bool:
+    return bool(vars(args).get("resources.ray_address") or _yaml_keys(args).get("resources.ray_address"))
+
+
+# slime's defaults (its arguments.py, and Megatron's for the optimizer) where sluiceway's differ and the result
+# depends on them: a slime command line that leaves one out means slime's value.
+SLIME_DEFAULTS: dict[str, Any] = {
+    "rollout.rollout_temperature": 1.0,
+    "rollout.n_samples_per_prompt": 1,
+    "algorithm.kl_loss_type": "k1",
+    "training.weight_decay": 0.01,  # Megatron's
+    "training.adam_beta2": 0.999,  # Megatron's
+    "training.lr_decay_style": "linear",  # Megatron's, over the run's optimizer steps as slime sets lr_decay_iters
+    "training.micro_batch_size": 1,  # Megatron's (no effect on results: gradient accumulation)
+    # slime's loss is the mean over samples of each sample's token mean unless --calculate-per-token-loss
+    "algorithm.loss_agg_mode": "seq_mean_token_mean",
+}
+
+
+def _slime_defaults(ns: dict, given: Given, yaml_keys: dict) -> None:
+    if "--calculate-per-token-loss" in given.flags:
+        if ns.get("algorithm.loss_agg_mode", "token_mean") != "token_mean":
+            raise UserError(f"--calculate-per-token-loss contradicts --loss-agg-mode {ns['algorithm.loss_agg_mode']}")
+        ns["algorithm.loss_agg_mode"] = "token_mean"
+    applied = []
+    for key, value in SLIME_DEFAULTS.items():
+        if key not in ns and key not in yaml_keys:
+            ns[key] = value
+            applied.append(f"--{key.split('.', 1)[1].replace('_', '-')} {value}")
+    if applied:
+        given.notes.append("slime's defaults for what this slime command line leaves out: " + ", ".join(applied))
+    undropped = [f for f in ("--attention-dropout", "--hidden-dropout") if f not in given.flags]
+    if undropped:
+        given.notes.append(f"slime leaves {' and '.join(undropped)} at Megatron's default 0.1 here; sluiceway "
+                           "trains without dropout (deterministic log-probs): give them as 0.0, as slime's "
+                           "scripts/ do, to say so")  # fmt: skip
 
 
 def _load_elsewhere(load: str, out: str | None) -> None:
@@ -695,7 +810,7 @@ def _rows(kind: str) -> list[str]:
 def render_table() -> list[str]:
     """The flags of this module as one markdown table (docs/configuration.md's last section)."""
     lines = ["| flag | treatment | meaning here |", "| --- | --- | --- |"]
-    for kind in (IMPLEMENTED, MAPPED, NOT_APPLICABLE, ARCHITECTURE):
+    for kind in (IMPLEMENTED, MAPPED, NOT_APPLICABLE, ARCHITECTURE, REFUSED):
         for row in _rows(kind):
             flag, note = row[2:].split(" | ", 1)
             lines.append(f"| {flag} | {kind} | {note}")
@@ -781,6 +896,15 @@ def render_markdown() -> str:
         "| flag | config.json |",
         "| --- | --- |",
         *_rows(ARCHITECTURE),
+        "",
+        "## Refused",
+        "",
+        "Settings that change results and are not implemented here: one error line, never ignored. None of the",
+        "six scripts above uses one; across the rest of slime's `scripts/` and `examples/` these appear:",
+        "",
+        "| flag | why |",
+        "| --- | --- |",
+        *_rows(REFUSED),
         "",
     ]
     return "\n".join(lines)

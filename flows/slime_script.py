@@ -157,6 +157,8 @@ class _Reader:
                 target = Path(words[0]) if words else Path()
                 if not target.is_absolute():
                     target = path.parent / target
+                if not target.is_file() and "scripts/models/" in target.as_posix():
+                    target = _in_checkout(path, target)  # /root/slime/scripts/models/X.sh: this checkout's
                 if not target.is_file():
                     raise UserError(f"{where}: sources {words[0] if words else ''!r}, which is not a file ({target})")
                 self.sources.append(target)
@@ -175,15 +177,24 @@ class _Reader:
             for part in parts:
                 a = re.fullmatch(r"""("?)\$\{([A-Za-z_][A-Za-z0-9_]*)\[[@*]\]\}\1""", part)
                 if a:
-                    if a.group(2) not in self.arrays:
-                        raise UserError(f"{where}: the array {a.group(2)} is not defined before it is used")
-                    out.extend(self.arrays[a.group(2)])
+                    out.extend(self.arrays.get(a.group(2), []))  # as in bash, an unset array splices nothing
                     continue
                 try:
                     out.extend(shlex.split(self.expand(part, where), comments=True))
                 except ValueError as e:
                     raise UserError(f"{where}: cannot split {part.strip()!r}: {e}") from None
         return out
+
+
+def _in_checkout(script: Path, target: Path) -> Path:
+    """slime's examples source `/root/slime/scripts/models/X.sh` (slime's container layout): the same file in
+    the slime checkout the script is in, when it is not at that path."""
+    tail = target.as_posix().split("scripts/models/", 1)[1]
+    for parent in script.resolve().parents:
+        candidate = parent / "scripts" / "models" / tail
+        if candidate.is_file():
+            return candidate
+    return target
 
 
 def _matching(text: str, i: int, open_: str, close: str) -> int:

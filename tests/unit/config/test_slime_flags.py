@@ -84,7 +84,8 @@ def test_mapped_flags_become_fields(tmp_path, capsys):
     import yaml
 
     capsys.readouterr()
-    rc = cli.main(["config", "--prompt-data", "env:arithmetic", "--save", str(tmp_path / "r"), "--load",
+    rc = cli.main(["config", "--prompt-data", "env:arithmetic", "--n-samples-per-prompt", "8", "--save",
+                   str(tmp_path / "r"), "--load",
                    str(tmp_path / "r"), "--update-weight-disk-dir", str(tmp_path / "w"), "--update-weight-mode",
                    "delta", "--rollout-function-path",
                    "slime.rollout.fully_async_rollout.generate_rollout_fully_async"])  # fmt: skip
@@ -98,6 +99,29 @@ def test_mapped_flags_become_fields(tmp_path, capsys):
     given = slime_compat.take(args)
     assert vars(args)["storage.output_dir"] == "d"
     assert given.of_kind(slime_compat.NOT_APPLICABLE) == {"--colocate": True}
+
+
+def test_a_slime_command_line_gets_slimes_defaults(capsys):
+    """slime's delta example leaves out --rollout-temperature, --weight-decay, --adam-beta2 and the dropouts:
+    slime's (and Megatron's) defaults apply, not sluiceway's, and the dropout it cannot honour is logged."""
+    import yaml
+
+    words = [w for line in flag_lines("run-glm4.7-30B-A3B-delta") for w in line]
+    capsys.readouterr()
+    assert cli.main(["config", *words, "--hf-checkpoint", str(CONFIGS / "GLM-4.7-Flash")]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["rollout"]["rollout_temperature"] == 1.0
+    assert cfg["training"]["weight_decay"] == 0.01 and cfg["training"]["adam_beta2"] == 0.999
+    assert cfg["algorithm"]["loss_agg_mode"] == "seq_mean_token_mean"  # slime's mean of per-sample means
+    assert cfg["training"]["lr_decay_style"] == "constant"  # given by the script
+    assert cfg["resources"]["actor_num_gpus_per_node"] == 4  # 16 GPUs at TP 2 x PP 2 x CP 2: DP 2 at TP 2
+    assert cfg["sync"]["update_weight_mode"] == "delta"
+    assert any("Megatron's default 0.1" in line for line in slime_compat._PENDING)
+    capsys.readouterr()
+    assert cli.main(["config", *words, "--calculate-per-token-loss", "--rollout-temperature", "0.7",
+                     "--hf-checkpoint", str(CONFIGS / "GLM-4.7-Flash")]) == 0  # fmt: skip
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["algorithm"]["loss_agg_mode"] == "token_mean" and cfg["rollout"]["rollout_temperature"] == 0.7
 
 
 def test_hidden_size_contradiction_is_one_line(capsys):
@@ -128,6 +152,8 @@ def test_architecture_of_another_model_is_refused(capsys):
         (["--hidden-dropout", "0.1"], "hidden dropout"),
         (["--moe-aux-loss-coeff", "0.01"], "auxiliary loss"),
         (["--rollout-function-path", "my.rollout.fn"], "--custom-generate-function-path"),
+        (["--enable-mtp-training"], "multi-token-prediction"),
+        (["--rollout-stop-token-ids", "151329", "151336"], "stop tokens"),
     ],
 )
 def test_settings_that_change_results_and_are_not_implemented_are_refused(flags, needle, capsys):
@@ -141,9 +167,8 @@ def test_load_elsewhere_holding_a_checkpoint_is_refused(tmp_path, capsys):
     (ckpt / "latest_checkpointed_iteration.txt").write_text("20")
     rc, err = run_config(["--load", str(ckpt), "--save", str(tmp_path / "run")], capsys)
     assert rc == 2 and "convert_torch_dist_to_hf" in err and err.count("\n") == 1
-    rc, err = run_config(
-        ["--load", str(tmp_path / "e"), "--save", str(tmp_path / "r"), "--prompt-data", "env:x"], capsys
-    )
+    empty = ["--load", str(tmp_path / "e"), "--save", str(tmp_path / "r"), "--prompt-data", "env:x"]
+    rc, err = run_config([*empty, "--n-samples-per-prompt", "8"], capsys)
     assert rc == 0, err  # nothing to continue from: slime starts from --ref-load, sluiceway from --hf-checkpoint
 
 
