@@ -343,6 +343,13 @@ _FULLY_ASYNC = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
 _DEFAULT_ROLLOUT = "slime.rollout.sglang_rollout.generate_rollout"
 
 
+def _set_wandb_key(value: str) -> dict:
+    import os
+
+    os.environ["WANDB_API_KEY"] = value
+    return {}
+
+
 def _rollout_function(value: str) -> dict:
     if value == _FULLY_ASYNC:
         return {("rollout", "mode"): "fully-async"}
@@ -505,6 +512,76 @@ RUN_FLAGS: dict[str, Flag] = {
         "would run past them); generation stops at the tokenizer's EOS",
         nargs="+",
     ),
+    "--decoder-first-pipeline-num-layers": _na("layers of the first pipeline stage (a pipeline layout)"),
+    "--save-debug-rollout-data": Flag(
+        IMPLEMENTED,
+        "keeps each step's rollouts: sluiceway stores every trajectory "
+        "in the run's trajectories table anyway (the path is not written)",
+    ),
+    "--eval-config": Flag(
+        REFUSED, "slime's YAML of eval datasets is not read: give them as --eval-prompt-data NAME FILE [NAME FILE ...]"
+    ),  # fmt: skip
+    "--transformer-impl": _na("Megatron's layer implementation (local or Transformer Engine kernels)"),
+    "--enable-experimental": _na("Megatron's experimental kernels and paths", nargs=0),
+    "--allgather-cp": _na("the all-gather implementation of context parallelism", nargs=0),
+    "--data-pad-size-multiplier": _na("pads packed sequences to a multiple for GPU kernels (padding is masked)"),
+    "--log-probs-chunk-size": _na("computes log-probs in chunks to save GPU memory (same values)"),
+    "--prefill-num-servers": _na("SGLang prefill/decode disaggregation: prefill servers"),
+    "--deterministic-mode": _na(
+        "deterministic GPU kernels; the CPU path here gives the same result run to run", nargs=0
+    ),  # fmt: skip
+    "--wandb-key": Flag(
+        IMPLEMENTED,
+        "the W&B API key, set as WANDB_API_KEY for this process only (never logged "
+        "or stored in the run record); prefer the environment variable",
+        apply=lambda v: _set_wandb_key(v),
+    ),  # fmt: skip
+    "--lr-warmup-fraction": Flag(
+        MAPPED,
+        "onto --lr-warmup-iters: this fraction of the run's optimizer steps "
+        "(num_rollout x rollout_batch_size x n_samples_per_prompt / global_batch_size, "
+        "slime's train_iters); needs those four flags",
+    ),  # fmt: skip
+    "--disable-compute-advantages-and-returns": Flag(
+        IMPLEMENTED,
+        "slime's SFT scripts: with --loss-type sft_loss "
+        "nothing computes advantages; with the policy loss it is "
+        "refused",
+        nargs=0,
+    ),  # fmt: skip
+    "--debug-train-only": Flag(
+        REFUSED, "trains on saved rollout data without engines: use `sluiceway replay` on a stored run", nargs=0
+    ),  # fmt: skip
+    "--eval-top-k": Flag(
+        REFUSED,
+        "top-k sampling in evaluation is not implemented (eval samples with --eval-temperature and --eval-top-p)",
+    ),  # fmt: skip
+    "--rollout-max-context-len": Flag(
+        REFUSED,
+        "a context cap that shortens responses of long prompts is not "
+        "implemented: set --rollout-max-prompt-len and --rollout-max-response-len",
+    ),
+    "--use-rollout-logprobs": Flag(
+        REFUSED,
+        "using the engine's log-probs as the old policy's is not implemented "
+        "(the trainer recomputes them; --use-tis corrects for the engine's)",
+        nargs=0,
+    ),
+    "--custom-reward-post-process-path": Flag(
+        REFUSED,
+        "a custom reward post-processing hook is not implemented "
+        "(--custom-rm-path with --group-rm scores whole groups)",
+    ),
+    "--custom-config-path": Flag(
+        REFUSED, "slime's YAML of custom-function arguments: put settings in the sluiceway YAML config or flags"
+    ),  # fmt: skip
+    "--loss-mask-type": Flag(
+        REFUSED,
+        "slime's per-template multi-turn loss masks are not implemented: sluiceway's "
+        "SFT masks the assistant turns its chat template marks",
+    ),  # fmt: skip
+    "--fp8-format": Flag(REFUSED, "FP8 training is not implemented (its numerics differ from bf16/fp32)"),
+    "--fp8-recipe": Flag(REFUSED, "FP8 training is not implemented (its numerics differ from bf16/fp32)"),
     "--moe-router-load-balancing-type": _na("the auxiliary loss kind, which --moe-aux-loss-coeff 0 switches off"),
 }
 
@@ -564,6 +641,15 @@ def take(args: argparse.Namespace) -> Given:
             if key in ns and ns[key] != v:
                 raise UserError(f"{flag}{_shown(value)} contradicts --{name.replace('_', '-')} {ns[key]}: give one")
             ns[key] = v
+    if "--disable-compute-advantages-and-returns" in given.flags and ns.get("algorithm.loss_type") != "sft_loss":
+        raise UserError("--disable-compute-advantages-and-returns trains without advantages: only with "
+                        "--loss-type sft_loss (slime's SFT scripts); the policy loss needs them")  # fmt: skip
+    if "--lr-warmup-fraction" in given.flags:
+        iters = _warmup_iters(ns, given.flags["--lr-warmup-fraction"])
+        if "training.lr_warmup_iters" in ns and _n(ns["training.lr_warmup_iters"]) != iters:
+            raise UserError(f"--lr-warmup-fraction {given.flags['--lr-warmup-fraction']} ({iters} steps) "
+                            f"contradicts --lr-warmup-iters {ns['training.lr_warmup_iters']}: give one")  # fmt: skip
+        ns["training.lr_warmup_iters"] = iters
     if given.flags:
         _slime_layout(ns, given, _ray_address(args))
         _slime_defaults(ns, given, _yaml_keys(args))
@@ -575,6 +661,19 @@ def take(args: argparse.Namespace) -> Given:
         elif save is None:
             ns["storage.output_dir"] = load
     return given
+
+
+def _warmup_iters(ns: dict, fraction: str) -> int:
+    keys = ("rollout.num_rollout", "rollout.rollout_batch_size", "rollout.n_samples_per_prompt",
+            "training.global_batch_size")  # fmt: skip
+    values = [_n(ns.get(k), None) for k in keys]
+    frac = _n(fraction, None)
+    if frac is None or not 0 <= frac <= 1 or any(v is None or v <= 0 for v in values):
+        raise UserError(f"--lr-warmup-fraction {fraction}: needs a fraction in [0, 1] and --num-rollout, "
+                        "--rollout-batch-size, --n-samples-per-prompt, --global-batch-size (or give "
+                        "--lr-warmup-iters)")  # fmt: skip
+    rollouts, batch, n, gbs = values
+    return round(frac * (rollouts * batch * n // gbs))
 
 
 def _n(value: Any, default: float | None = 1) -> float | None:
@@ -772,7 +871,8 @@ def describe(argv: list[str]) -> list[str]:
             how = f"checked against config.json: {spec.note}"
         else:
             how = spec.note
-        out.append(f"  {' '.join([word, *values])}  ->  {kind or 'unknown'}: {how}")
+        shown = ["***"] if word == "--wandb-key" else values  # a secret is never printed
+        out.append(f"  {' '.join([word, *shown])}  ->  {kind or 'unknown'}: {how}")
     return out
 
 
@@ -838,7 +938,10 @@ def render_markdown() -> str:
         "`run-glm4-9B.sh`, `run-qwen3-30B-A3B.sh`, `examples/fully_async/run-qwen2.5-0.5B-fully_async.sh`,",
         "`examples/search-r1/run_qwen2.5_3B.sh`, `examples/delta_weight_sync/run-glm4.7-30B-A3B-delta.sh` and the",
         "model files they source is accepted (tests/unit/config/test_slime_flags.py; the flag lists are in",
-        "tests/data/slime_flags/).",
+        "tests/data/slime_flags/). Across all 44 launch scripts of slime's `scripts/` and `examples/` at that",
+        "commit every flag has a treatment in the tables below; 43 of them are read as they are (the geo3k VLM",
+        "example computes `MODEL_NAME_LOWER` with shell code: give it in the environment). A few flags of the",
+        "rest change results in ways not implemented here and are refused (last table).",
         "",
         "## Flags that are sluiceway fields",
         "",

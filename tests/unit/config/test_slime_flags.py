@@ -2,6 +2,7 @@
 slime's scripts is implemented, mapped, not applicable here or a model-architecture flag that agrees with the
 checkpoint; none is rejected. Nothing runs: `sluiceway config` resolves the config and prints it."""
 
+import os
 import shlex
 from pathlib import Path
 
@@ -230,3 +231,35 @@ def test_rm_type_deepscaler():
     assert score("<think>2 + 3 = 6?</think> so \\boxed{5}", "5", {})[0] == 1.0
     assert score("<think>...</think> \\boxed{6}", "5", {})[0] == 0.0
     assert score("\\boxed{5}", "5", {})[0] == 0.0  # no </think>: slime scores 0
+
+
+def test_warmup_fraction_wandb_key_and_sft_switch(capsys, monkeypatch):
+    import yaml
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    base = [
+        "--prompt-data",
+        "env:x",
+        "--num-rollout",
+        "10",
+        "--rollout-batch-size",
+        "8",
+        "--lr-decay-style",
+        "constant",
+        "--n-samples-per-prompt",
+        "4",
+        "--global-batch-size",
+        "16",
+        "--num-steps-per-rollout",
+        "2",
+    ]
+    # fmt: skip
+    capsys.readouterr()
+    assert cli.main(["config", *base, "--lr-warmup-fraction", "0.1", "--wandb-key", "secret-key"]) == 0
+    out, _ = capsys.readouterr()
+    assert yaml.safe_load(out)["training"]["lr_warmup_iters"] == 2  # 0.1 x (10 x 8 x 4 / 16 = 20 steps)
+    assert "secret-key" not in out and os.environ.get("WANDB_API_KEY") == "secret-key"
+    assert "***" in "\n".join(slime_compat.describe(["--wandb-key", "secret-key"]))
+    assert "secret-key" not in "\n".join(slime_compat.describe(["--wandb-key", "secret-key"]))
+    rc, err = run_config([*base, "--disable-compute-advantages-and-returns"], capsys)
+    assert rc == 2 and "--loss-type sft_loss" in err
