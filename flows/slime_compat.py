@@ -850,6 +850,16 @@ def classify(flag: str) -> str | None:
     return None
 
 
+# sluiceway fields whose value is a user function: slime's take slime's own types and need porting
+_PORT = {
+    "--custom-generate-function-path": "a sluiceway field, but this is slime's function (args, Sample, "
+    "sampling_params) and imports slime: port it to tasks/rollout/multiturn.py's interface (module:function); "
+    "the run stops with one line until then",
+    "--custom-rm-path": "a sluiceway field, but this is slime's function (args, Sample): port it to "
+    "fn(response, label, sample) (module:function); the run stops with one line until then",
+}
+
+
 def describe(argv: list[str]) -> list[str]:
     """One line per flag of a slime command line: how it is treated (what --from-slime-script prints)."""
     out = []
@@ -863,7 +873,9 @@ def describe(argv: list[str]) -> list[str]:
             values.append(w)
         kind = classify(word)
         spec = SLIME_FLAGS.get(word)
-        if word.startswith("--sglang-"):
+        if word in _PORT and values and ":" not in values[0]:
+            how = _PORT[word]
+        elif word.startswith("--sglang-"):
             how = "passed to SGLang engines (--rollout-engine sglang); the embedded engine's own settings otherwise"
         elif spec is None:
             how = "a sluiceway field of the same name" if kind else "unknown to sluiceway"
@@ -958,6 +970,12 @@ def render_markdown() -> str:
         "the same data-parallel size without them (`--pipeline-model-parallel-size` > 1 runs at 1: the same",
         "computation), and `--use-kl-loss --kl-loss-coef 0` leaves the zero-weight KL term out (slime logs its",
         "value; the loss is the same). Each of these is one line in the run's log.",
+        "",
+        "Custom functions: `--custom-generate-function-path` and `--custom-rm-path` are sluiceway fields, but the",
+        "functions slime's examples name (`generate_with_search.generate`, slime's dotted form) take slime's",
+        "`(args, Sample, ...)` and import slime; they are not run as they are. Port them to sluiceway's",
+        "interfaces (tasks/rollout/multiturn.py; a scorer is `fn(response, label, sample)`) and pass",
+        "`module:function`; a slime-style dotted path stops the run with one line saying so.",
         "",
         "## Implemented",
         "",

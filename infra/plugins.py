@@ -14,6 +14,9 @@ def load_function(path: str, flag: str) -> Callable:
     """The callable at `path`; `flag` names the option in error messages (one line, no traceback)."""
     target, sep, name = path.rpartition(":")
     if not sep or not target or not name:
+        if not sep and "." in path:  # slime's form: its functions take slime's (args, Sample, ...) (docs/slime.md)
+            raise UserError(f"{flag} {path}: a slime-style dotted path; sluiceway loads 'module:function' written "
+                            "for its own interface (slime's functions take slime's Sample: docs/slime.md)")  # fmt: skip
         raise UserError(f"{flag} {path}: expected 'module:function' or 'file.py:function'")
     if target.endswith(".py"):
         file = Path(target)

@@ -263,3 +263,16 @@ def test_warmup_fraction_wandb_key_and_sft_switch(capsys, monkeypatch):
     assert "secret-key" not in "\n".join(slime_compat.describe(["--wandb-key", "secret-key"]))
     rc, err = run_config([*base, "--disable-compute-advantages-and-returns"], capsys)
     assert rc == 2 and "--loss-type sft_loss" in err
+
+
+def test_slime_custom_functions_are_named_as_needing_a_port():
+    """search-r1's --custom-generate-function-path is accepted as a flag, but slime's function (slime's Sample,
+    slime's imports) does not run here: --from-slime-script says so, and loading it is one line."""
+    from sluiceway.infra.plugins import load_function
+
+    words = [w for line in flag_lines("run_qwen2.5_3B") for w in line]
+    lines = slime_compat.describe(words)
+    (gen,) = [x for x in lines if x.strip().startswith("--custom-generate-function-path")]
+    assert "port it" in gen and "slime's function" in gen
+    with pytest.raises(UserError, match="slime-style dotted path"):
+        load_function("generate_with_search.reward_func", "--custom-rm-path")
