@@ -757,6 +757,9 @@ def _slime_defaults(ns: dict, given: Given, yaml_keys: dict) -> None:
             applied.append(f"--{key.split('.', 1)[1].replace('_', '-')} {value}")
     if applied:
         given.notes.append("slime's defaults for what this slime command line leaves out: " + ", ".join(applied))
+    if "--rollout-shuffle" not in given.flags:
+        given.notes.append("slime reads the prompts in file order without --rollout-shuffle; sluiceway shuffles "
+                           "them each epoch (seeded by --seed), as slime does with it")  # fmt: skip
     undropped = [f for f in ("--attention-dropout", "--hidden-dropout") if f not in given.flags]
     if undropped:
         given.notes.append(f"slime leaves {' and '.join(undropped)} at Megatron's default 0.1 here; sluiceway "
@@ -970,6 +973,15 @@ def render_markdown() -> str:
         "the same data-parallel size without them (`--pipeline-model-parallel-size` > 1 runs at 1: the same",
         "computation), and `--use-kl-loss --kl-loss-coef 0` leaves the zero-weight KL term out (slime logs its",
         "value; the loss is the same). Each of these is one line in the run's log.",
+        "",
+        "slime's defaults: a slime command line (one with a flag of the tables below, as slime's scripts all have)",
+        "that leaves one of these out gets slime's (or Megatron's) value instead of sluiceway's, and the run logs",
+        "which: "
+        + ", ".join(f"`--{k.split('.', 1)[1].replace('_', '-')} {v}`" for k, v in SLIME_DEFAULTS.items())
+        + " (slime's loss is the mean of per-sample token means unless `--calculate-per-token-loss`). Two of",
+        "slime's defaults are not honoured, and the run's log says so when a command line relies on them: prompts",
+        "in file order without `--rollout-shuffle` (sluiceway shuffles each epoch), and Megatron's dropout 0.1",
+        "without `--attention-dropout 0.0 --hidden-dropout 0.0` (sluiceway trains without dropout).",
         "",
         "Custom functions: `--custom-generate-function-path` and `--custom-rm-path` are sluiceway fields, but the",
         "functions slime's examples name (`generate_with_search.generate`, slime's dotted form) take slime's",
