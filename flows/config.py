@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from sluiceway.infra.errors import UserError
+from sluiceway.infra.plugins import check_function
 
 # LoRA target names (peft's, all-linear, Megatron-Bridge's fused layers); models/lora.py maps them to projections
 # (the config imports nothing of the project: tests/unit/models/test_lora.py checks both lists agree).
@@ -141,22 +142,8 @@ class RolloutConfig(_Group):
     @classmethod
     def _load_agent_function(cls, path: str | None) -> str | None:
         """An agent that does not import is one line when the config is read, not a failure mid-rollout."""
-        if path is None:
-            return path
-        from sluiceway.infra.plugins import load_function
-
-        try:
-            fn = load_function(path, "--agent-function-path")
-        except UserError as e:
-            raise ValueError(str(e).removeprefix("--agent-function-path ")) from None
-        import inspect
-
-        try:
-            inspect.signature(fn).bind("", "", {})
-        except TypeError:
-            raise ValueError(f"{path} must take (base_url, api_key, prompt)") from None
-        except ValueError:
-            pass  # no signature to check
+        if path is not None:
+            check_function(path, "--agent-function-path", ("base_url", "api_key", "prompt"))
         return path
 
     dynamic_sampling_filter_path: str | None = Field(
@@ -304,22 +291,8 @@ class AlgorithmConfig(_Group):
     def _load_tis_function(cls, path: str | None) -> str | None:
         """The function must import and take (old_logp, rollout_logp, mask, algorithm): a mistake is one line
         when the config is read, not an exception in the trainer after the engines started."""
-        if path is None:
-            return path
-        import inspect
-
-        from sluiceway.infra.plugins import load_function
-
-        try:
-            fn = load_function(path, "--custom-tis-function-path")
-        except UserError as e:
-            raise ValueError(str(e).removeprefix("--custom-tis-function-path ")) from None
-        try:
-            inspect.signature(fn).bind(None, None, None, None)
-        except TypeError:
-            raise ValueError(f"{path} must take (old_logp, rollout_logp, mask, algorithm)") from None
-        except ValueError:
-            pass  # a builtin or C function without a signature: called as it is
+        if path is not None:
+            check_function(path, "--custom-tis-function-path", ("old_logp", "rollout_logp", "mask", "algorithm"))
         return path
 
     use_kl_loss: bool = Field(False, description="Add a KL(policy || reference) loss term.")

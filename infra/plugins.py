@@ -34,3 +34,20 @@ def load_function(path: str, flag: str) -> Callable:
     if not callable(fn):
         raise UserError(f"{flag} {path}: {target} has no function '{name}'")
     return fn
+
+
+def check_function(path: str, flag: str, params: tuple[str, ...]) -> None:
+    """Import the function at `path` and check it takes the positional `params`; raises ValueError with one line
+    (what a config validator raises, so a mistake is reported when the config is read, not mid-run)."""
+    import inspect
+
+    try:
+        fn = load_function(path, flag)
+    except UserError as e:
+        raise ValueError(str(e).removeprefix(f"{flag} ")) from None
+    try:
+        inspect.signature(fn).bind(*[None] * len(params))
+    except TypeError:
+        raise ValueError(f"{path} must take ({', '.join(params)})") from None
+    except ValueError:
+        pass  # a builtin without a signature to check
