@@ -24,12 +24,13 @@ from sluiceway.flows.logging_backends import MetricLoggers
 from sluiceway.flows.precision import resolve_precision
 from sluiceway.flows.retry import call_retrying, retry_transient
 from sluiceway.flows.scaffold import checkpoint_due, open_store
+from sluiceway.infra.errors import Fault
 from sluiceway.storage import run_lock
 from sluiceway.storage.integrity import check_tables
 from sluiceway.storage.maintenance import RUN_TABLES, maintain_run
 from sluiceway.storage.metrics import append_metrics
 from sluiceway.storage.stages import finished_stage, record_stage
-from sluiceway.storage.trajectories import read_trajectories
+from sluiceway.storage.trajectories import is_trainable, read_trajectories
 from sluiceway.tasks.evaluate.evaluate import evaluate
 from sluiceway.tasks.filter.apply import filter_step
 from sluiceway.tasks.filter.filters import build_filters
@@ -94,8 +95,28 @@ def rollout_task(run_id: str, step: int) -> dict:
             min_version=pool_min_version(rt.cfg, step, version_at_start) if rt.engines.remote else None,
         )
     )
+    if res.groups_completed == 0 and res.groups_aborted:
+        _every_group_aborted(rt.store, run_id, step, res.groups_aborted)
     # Wall-clock bounds and the weights the engines held at the start: what overlap and staleness are measured by.
     return dataclasses.asdict(res) | {"started": started, "ended": time.time(), "engine_version": version_at_start}
+
+
+def _every_group_aborted(store, run_id: str, step: int, aborted: int) -> None:
+    """No group of the step finished (a prompt longer than the limit, an agent that always fails, engines that
+    abort everything): training on nothing, step after step, would end the run 'successfully' having learnt
+    nothing. The rollout stage fails instead, naming the first sample's reason; a resume generates the step again."""
+    import json
+
+    reasons = [
+        json.loads(r["metadata"] or "{}").get("abort_reason") or f"finish reason {r['finish_reason']}"
+        for r in read_trajectories(store, run_id, step).to_pylist()
+        if not is_trainable(r)
+    ]
+    raise Fault(
+        f"rollout: all {aborted} groups of step {step} were aborted and none finished (the first: "
+        f"{reasons[0] if reasons else 'no row stored'}); nothing would be trained. Fix the cause, then "
+        f"`sluiceway resume` generates the step again"
+    )
 
 
 def pool_min_version(cfg: RunConfig, step: int, engines_version: int) -> int:

@@ -142,3 +142,23 @@ def test_an_abandoned_session_is_stored_aborted_and_never_trained(tmp_path):
     # What the trainer reads of the step: the finished group only.
     trained = trainable_rows(read_trajectories(store, "ag", 0))
     assert {r["prompt_id"] for r in trained} == {"finisher"}
+
+
+def test_a_step_whose_every_session_aborts_stops_the_run(tmp_path):
+    """An agent whose first prompt (its tools block included) is longer than --rollout-max-prompt-len aborts every
+    session: the run stops at step 0 with one line naming the reason, instead of 'training' on nothing to the end."""
+    import subprocess
+
+    from cli_run import cli_args
+
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    args = cli_args(run_dir, "--num-rollout", "2", "--agent-function-path", AGENT, "--rollout-max-prompt-len", "64",
+                    "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
+                    "--micro-batch-size", "4")  # fmt: skip
+    env = dict(os.environ, SLUICEWAY_CACHE=str(cache))
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "all 2 groups of step 0 were aborted" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not read_metrics(ObjectStore.from_uri(str(run_dir / "tables")), "run").num_rows  # nothing trained
