@@ -84,7 +84,7 @@ class PoolAgent:
 
     def poll_once(self) -> int | None:
         """Fetch and load the newest version if there is one; returns the version the pool serves."""
-        latest = self.wstore.latest()
+        latest = self.wstore.newest()
         held = self.held
         if latest is not None and (held is None or latest > held):
             self._fetch(latest, held)

@@ -64,16 +64,38 @@ class WeightStore:
         return sorted(int(m.group(1)) for n in names if (m := _VERSION_DIR.match(n)))
 
     def versions(self) -> list[int]:
-        """Complete versions (those with a manifest), oldest first."""
-        with self.store.redacting():
-            self.fs.invalidate_cache()
-            found = self.fs.glob(self.path("v*", MANIFEST))
+        """Complete versions (those with a manifest), oldest first.
+
+        The glob lists the version directories, then each: a version the writer prunes in between (a slow reader
+        over a WAN, docs/weight_sync.md) makes it raise FileNotFoundError, so it is listed again."""
+        for attempt in range(5):
+            try:
+                with self.store.redacting():
+                    self.fs.invalidate_cache()
+                    found = self.fs.glob(self.path("v*", MANIFEST))
+                break
+            except FileNotFoundError:
+                if attempt == 4:
+                    raise
         names = [p.rstrip("/").rsplit("/", 2)[-2] for p in found]
         return sorted(int(m.group(1)) for n in names if (m := _VERSION_DIR.match(n)))
 
     def latest(self) -> int | None:
         found = self.versions()
         return found[-1] if found else None
+
+    def newest(self) -> int | None:
+        """The newest version by the `latest.json` hint: one GET where `latest` lists every version directory (a
+        poll over a WAN pays round trips, not bytes: docs/weight_sync.md). The hint is written after its version's
+        manifest, so the version it names is complete; without a readable hint, the listing decides."""
+        path = self.path("latest.json")
+        with self.store.redacting():
+            self.fs.invalidate_cache(path)
+            try:
+                return int(json.loads(self.fs.cat_file(path))["version"])
+            except (FileNotFoundError, ValueError, KeyError, TypeError):
+                pass
+        return self.latest()
 
     def manifest(self, version: int) -> Manifest:
         path = self.version_path(version, MANIFEST)

@@ -327,3 +327,27 @@ def ckpt(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "sluiceway.flows.cli", "ckpt", *args],
         capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=120,
     )  # fmt: skip
+
+
+def test_newest_is_one_read_of_the_hint_and_listing_survives_a_pruned_directory(store, tmp_path, monkeypatch):
+    """A pool agent's poll (infra/pool_agent.py) reads latest.json instead of listing every version directory;
+    without a readable hint it lists. A directory pruned while the listing globs is listed again."""
+    wstore = WeightStore(store, "weights/r-newest")
+    publish_run(wstore, tmp_path, 3, full_every=10, keep=10)
+    calls: list[str] = []
+    for name in ("glob", "ls", "find", "cat_file"):
+        real = getattr(wstore.fs, name)
+        monkeypatch.setattr(wstore.fs, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))
+    assert wstore.newest() == 3 and calls == ["cat_file"]
+    wstore._put_text(wstore.path("latest.json"), "{not json")
+    assert wstore.newest() == 3 == wstore.latest()  # the listing decides
+    calls.clear()
+    real_glob, failures = wstore.fs.glob, [FileNotFoundError("v000001 vanished")]
+
+    def flaky_glob(*a, **k):
+        if failures:
+            raise failures.pop()
+        return real_glob(*a, **k)
+
+    monkeypatch.setattr(wstore.fs, "glob", flaky_glob)
+    assert wstore.versions() == [1, 2, 3]
