@@ -24,7 +24,7 @@ from prefect.cache_policies import NO_CACHE
 from sluiceway.flows.config import EvalRunConfig, RunConfig, validate_for
 from sluiceway.flows.engines import RolloutEngines
 from sluiceway.flows.precision import resolve_precision
-from sluiceway.flows.scaffold import Registry, make_run_dir, open_store
+from sluiceway.flows.scaffold import Registry, make_run_dir, open_store, run_locked
 from sluiceway.infra.errors import UserError
 from sluiceway.infra.sglang_launcher import require_sglang
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
@@ -128,6 +128,11 @@ def format_set(name: str, m: dict[str, float]) -> str:
 def eval_flow(config: EvalRunConfig) -> dict:
     """Evaluate `config`'s hf_checkpoint on its eval sets (typed so the UI shows the config's form)."""
     cfg = resolve_precision(validate_for(config, "eval"))  # auto -> bf16/fp32 (a UI run starts here)
+    with run_locked(cfg, "eval"):  # the CLI took the lock already; a deployment's run takes it here
+        return _eval(cfg)
+
+
+def _eval(cfg: EvalRunConfig) -> dict:
     prep = _RUNS.take_prepared(cfg.run_id) or prepare_eval(cfg)
     run_dir = make_run_dir(cfg)
     t0 = time.perf_counter()

@@ -46,6 +46,7 @@ from sluiceway.flows.scaffold import (
     make_run_dir,
     open_store,
     publish_task,
+    run_locked,
 )
 from sluiceway.infra.errors import UserError
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
@@ -163,6 +164,11 @@ def format_step(step: int, i: int, total: int, m: dict) -> str:
 def replay_flow(config: ReplayRunConfig) -> dict:
     """Train on the stored trajectories `config.replay` names, from the last checkpoint (typed: the UI's form)."""
     cfg = resolve_precision(validate_for(config, "replay"))  # auto -> bf16/fp32 (a UI run starts here)
+    with run_locked(cfg, "replay"):  # the CLI took the lock already; a deployment's run takes it here
+        return _replay_steps(cfg)
+
+
+def _replay_steps(cfg: ReplayRunConfig) -> dict:
     if not cfg.algorithm.use_tis:
         log.warning("replay without use_tis: the stored samples are trained as if the current policy made them")
     prep = TRAINING_RUNS.take_prepared(cfg.run_id) or prepare_replay(cfg)

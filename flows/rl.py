@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from pathlib import Path
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
@@ -23,11 +22,9 @@ from sluiceway.flows.config import RunConfig
 from sluiceway.flows.logging_backends import MetricLoggers
 from sluiceway.flows.precision import resolve_precision
 from sluiceway.flows.retry import call_retrying, retry_transient
-from sluiceway.flows.scaffold import checkpoint_due, open_store
+from sluiceway.flows.scaffold import checkpoint_due, run_locked
 from sluiceway.infra.errors import Fault
-from sluiceway.storage import run_lock
-from sluiceway.storage.integrity import check_tables
-from sluiceway.storage.maintenance import RUN_TABLES, maintain_run
+from sluiceway.storage.maintenance import maintain_run
 from sluiceway.storage.metrics import append_metrics
 from sluiceway.storage.stages import finished_stage, record_stage
 from sluiceway.storage.trajectories import is_trainable, read_trajectories
@@ -319,11 +316,7 @@ def rl_flow(config: RunConfig) -> dict:
     Typed as the pydantic model so a deployment's parameter form in the Prefect UI is the run config.
     """
     cfg = resolve_precision(RunConfig.model_validate(config))  # auto -> bf16/fp32 (a UI run starts here)
-    # The CLI took the run's lock and checked its tables already; a deployment's run does both here.
-    taken_here, store = not run_lock.held(cfg.run_id), open_store(cfg)
-    with run_lock.hold(Path(cfg.storage.output_dir).resolve(), store, cfg.run_id, "run"):
-        if taken_here:
-            check_tables(store, RUN_TABLES)  # storage/integrity.py
+    with run_locked(cfg, "run"):  # the CLI took the lock already; a deployment's run takes it here
         return _run_steps(cfg)
 
 

@@ -9,6 +9,8 @@ they are not made twice in one process (a deployment's worker makes its own).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -69,6 +71,21 @@ def check_device(cfg: RunConfig) -> None:
 def open_store(cfg: RunConfig, uri: str | None = None) -> ObjectStore:
     """The run's tables (or another root `uri`) with the run's S3 settings."""
     return ObjectStore.from_uri(uri or cfg.tables_uri, cfg.storage.s3_endpoint_url, cfg.storage.s3_region)
+
+
+@contextlib.contextmanager
+def run_locked(cfg: RunConfig, command: str) -> Iterator[None]:
+    """The run's lock (storage/run_lock.py) and the check of its tables (storage/integrity.py), for a flow started
+    without the CLI (a deployment from the Prefect UI); when the CLI holds the lock already it has checked the
+    tables too, and this only re-enters."""
+    from sluiceway.storage.integrity import check_tables
+    from sluiceway.storage.maintenance import RUN_TABLES
+
+    taken_here, store = not run_lock.held(cfg.run_id), open_store(cfg)
+    with run_lock.hold(Path(cfg.storage.output_dir).resolve(), store, cfg.run_id, command):
+        if taken_here:
+            check_tables(store, RUN_TABLES)
+        yield
 
 
 def make_run_dir(cfg: RunConfig) -> Path:

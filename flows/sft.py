@@ -35,6 +35,7 @@ from sluiceway.flows.scaffold import (
     make_run_dir,
     open_store,
     publish_task,
+    run_locked,
 )
 from sluiceway.infra.errors import UserError
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
@@ -161,6 +162,11 @@ def format_step(step: int, total: int, m: dict) -> str:
 def sft_flow(config: RunConfig) -> dict:
     """Fine-tune on `config`'s data file from its last checkpoint to the end (typed so the UI shows a form)."""
     cfg = resolve_precision(RunConfig.model_validate(config))  # auto -> bf16/fp32 (a UI run starts here)
+    with run_locked(cfg, "sft"):  # the CLI took the lock already; a deployment's run takes it here
+        return _sft_steps(cfg)
+
+
+def _sft_steps(cfg: RunConfig) -> dict:
     prep = TRAINING_RUNS.take_prepared(cfg.run_id) or prepare_sft(cfg)
     run = SftRun.create(cfg, prep)
     TRAINING_RUNS.register(cfg.run_id, run)
