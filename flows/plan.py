@@ -47,7 +47,6 @@ from pathlib import Path
 
 from sluiceway.flows.config import RunConfig
 from sluiceway.infra.errors import UserError
-from sluiceway.models.lora import resolve_targets
 
 GIB = 2**30
 # Resident memory of a process after importing torch, megatron-core and the trainer (0.43 GiB measured for a
@@ -220,6 +219,8 @@ class Layout:
         from sluiceway.flows.preflight import engine_max_total_len
 
         res, t, r = cfg.resources, cfg.training, cfg.rollout
+        if t.lora_rank:  # models/ imports torch: `sluiceway plan` without LoRA does not pay for it
+            from sluiceway.models.lora import resolve_targets
         a = cfg.algorithm
         bf16 = bool(t.bf16) if bf16 is None else bf16
         command = "sft" if a.loss_type == "sft_loss" else command

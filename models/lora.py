@@ -148,7 +148,7 @@ class LoraAdapters(torch.nn.Module):
         self.enabled = True
         self.tp_rank, self.tp_size = _tp()
         self.layers = torch.nn.ModuleList()
-        dims = _dims(hf_config)
+        self.dims = dims = _dims(hf_config)
         gen = torch.Generator().manual_seed(seed)
         for _layer in range(hf_config.num_hidden_layers):
             pairs = torch.nn.ParameterDict()
@@ -219,7 +219,7 @@ class LoraAdapters(torch.nn.Module):
                 h = copy_to_tensor_model_parallel_region(h)
             return h @ p[f"{t}_B"].T * scale
 
-        d = _dims(self.hf_config)
+        d = self.dims
         if kind == "linear_fc1":  # [gate | up], each this rank's rows
             f = d["gate_proj"][1] // self.tp_size
             return torch.cat([piece("gate_proj", f), piece("up_proj", f)], dim=-1)
