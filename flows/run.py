@@ -45,6 +45,9 @@ def configure_logging(cfg: RunConfig) -> None:
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     handler.run_log = path
     root.addHandler(handler)
+    zoo = sys.modules.get("sluiceway.models.zoo")  # not imported: nothing was built, nothing to say
+    if zoo is not None:
+        zoo.log_first_use_builds()  # built while the config was checked, before this logging existed
 
 
 def run_log_path(cfg: RunConfig) -> Path:

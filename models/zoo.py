@@ -9,11 +9,16 @@ wins and the others use its result.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 import shutil
 import socket
+import sys
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +31,11 @@ from sluiceway.infra.errors import UserError
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 _TMP_MARK = ".tmp-"
+log = logging.getLogger(__name__)
+
+# Builds this process made, (name, seconds), for `log_first_use_builds`: a build runs while the config is checked,
+# before the run's logging exists, and a config mistake found after it must still be the only line on stderr.
+_FIRST_USE: list[tuple[str, float]] = []
 
 
 @dataclass(frozen=True)
@@ -149,7 +159,10 @@ def _build_atomically(entry: ZooEntry, final: Path) -> Path:
     prefix = f".{final.name}{_TMP_MARK}{socket.gethostname()}-{os.getpid()}-"
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=models_dir))
     try:
-        entry.build(tmp)
+        started = time.monotonic()
+        with _quiet_build(entry.name):
+            entry.build(tmp)
+        _FIRST_USE.append((entry.name, time.monotonic() - started))
         missing = _missing(tmp)
         if missing:
             raise RuntimeError(f"zoo build of {entry.name} left out {', '.join(missing)}")
@@ -172,6 +185,43 @@ def _build_atomically(entry: ZooEntry, final: Path) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def _quiet_build(name: str) -> Iterator[None]:
+    """A build says nothing on the terminal: transformers' and tqdm's progress bars (GGUF conversion, "Loading
+    weights", "Writing model shards") and library warnings go to the debug log instead. On a terminal a transient
+    status line says what is being waited on and is erased when the build ends."""
+    from transformers.utils import logging as hf_logging
+
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    terminal = sys.stderr
+    status = terminal.isatty()
+    if status:
+        terminal.write(f"building {name} (first use)...")
+        terminal.flush()
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):  # tqdm.auto bars that transformers' switch does not reach
+            yield
+    finally:
+        if status:
+            terminal.write("\r\033[K")
+            terminal.flush()
+        if bars:
+            hf_logging.enable_progress_bar()
+        hf_logging.set_verbosity(verbosity)
+        if captured.getvalue().strip():
+            log.debug("building %s printed:\n%s", name, captured.getvalue())
+
+
+def log_first_use_builds() -> None:
+    """One log line per zoo model this process built (called once the run's logging is set up)."""
+    while _FIRST_USE:
+        name, seconds = _FIRST_USE.pop(0)
+        log.info("built %s (first use): %.1f s", name, seconds)
 
 
 def resolve_checkpoint(name_or_path: str | Path, cache_dir: str | Path | None = None) -> Path:

@@ -1,22 +1,30 @@
 """From per-sample rewards to per-sample advantages (broadcast over the response tokens).
 
-grpo:  (r - mean_group) / (std_group + eps)                -- Shao et al., DeepSeekMath
+Each formula, its paper and how slime, verl and TRL compute it: docs/algorithms.md.
+
+grpo:  (r - mean_group) / (std_group + eps), std with Bessel's correction (n - 1), as slime, verl and TRL
+                                                            -- Shao et al., DeepSeekMath
 dr_grpo: r - mean_group                                     -- Liu et al., "Dr. GRPO" (no std scaling)
 rloo:  r_i - mean_{j != i} r_j  (leave-one-out baseline)    -- Kool et al. 2019; Ahmadian et al. 2024
-reinforce_plus_plus_baseline: r - mean_group, then whitened over the whole batch
+reinforce_plus_plus_baseline: r - mean_group broadcast to the sample's trained tokens, then whitened over every
+                              trained token of the batch (a sample weighs its length)  -- Hu et al. 2025
 
 Token-level estimators ([batch, tokens] in and out; see each docstring for the formula):
 terminal_rewards: a per-sequence reward placed on the last trained token
 gae: Generalised Advantage Estimation with a critic (PPO), returning (advantages, value targets)
 reinforce_pp_returns: REINFORCE++ -- KL-shaped discounted returns, whitened over the batch's trained tokens
 masked_whiten: whitening over the tokens where mask == 1
+
+Batch whitening (`whitening_scale`, used by all three whitened estimators) is slime's and verl's: mean and
+Bessel-corrected variance over the trained tokens, (x - mean) / sqrt(var + 1e-8).
 """
 
 from __future__ import annotations
 
 import torch
 
-EPS = 1e-6
+EPS = 1e-6  # GRPO's std: (r - mean) / (std + EPS), as slime and verl (TRL adds 1e-4)
+WHITEN_EPS = 1e-8  # batch whitening: (x - mean) / sqrt(var + WHITEN_EPS), as slime and verl
 
 # Estimators whose advantages are per token and computed by the trainer (they need the critic's values or the
 # reference's log-probs), not per sample by `group_advantages`.
@@ -42,10 +50,28 @@ def rloo_advantages(r: torch.Tensor) -> torch.Tensor:
     return r - (r.sum() - r) / (n - 1)
 
 
+def whitening_scale(count: float, sum_sq_dev: float) -> float:
+    """1 / sqrt(var + WHITEN_EPS) of `count` values whose squared deviations from their mean sum to `sum_sq_dev`.
+
+    The variance is Bessel-corrected (divided by count - 1), as slime's `distributed_masked_whiten` and verl's
+    `masked_whiten`; one value has variance 0. Values all equal give (x - mean) = 0 exactly: never NaN.
+    """
+    var = sum_sq_dev / (count - 1.0) if count >= 2 else 0.0
+    return (var + WHITEN_EPS) ** -0.5
+
+
 def group_advantages(
-    rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str = "grpo", normalize_by_std: bool = True
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    estimator: str = "grpo",
+    normalize_by_std: bool = True,
+    token_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """rewards, group_ids: [n]. Samples sharing a group id are answers to the same prompt."""
+    """rewards, group_ids: [n]. Samples sharing a group id are answers to the same prompt.
+
+    token_counts: [n], each sample's trained (loss-mask) tokens; reinforce_plus_plus_baseline needs them, since its
+    batch whitening is over tokens (a sample of 12 trained tokens weighs 12, one of 1 weighs 1).
+    """
     rewards = rewards.double()
     adv = torch.empty_like(rewards)
     for g in group_ids.unique():
@@ -56,11 +82,17 @@ def group_advantages(
             continue
         centred = r - r.mean()
         if estimator == "grpo" and normalize_by_std:
-            # unbiased=False: a group of identical rewards gives 0/eps = 0, never NaN.
-            centred = centred / (r.std(unbiased=False) + EPS)
+            # The sample std (n - 1), as slime, verl and TRL. A group of one has no spread (its centred reward is
+            # 0, its n - 1 std undefined): 0. Identical rewards give 0 / EPS = 0.
+            centred = centred / (r.std() + EPS) if r.numel() > 1 else torch.zeros_like(r)
         adv[idx] = centred
     if estimator == "reinforce_plus_plus_baseline":
-        adv = (adv - adv.mean()) / (adv.std(unbiased=False) + EPS)
+        if token_counts is None or token_counts.shape != rewards.shape:
+            raise ValueError("reinforce_plus_plus_baseline whitens over tokens: pass each sample's token_counts")
+        w = token_counts.double()  # each sample's value stands for w tokens of equal advantage
+        n = float(w.sum())
+        mean = float((w * adv).sum()) / max(n, 1.0)
+        adv = (adv - mean) * whitening_scale(n, float((w * (adv - mean).square()).sum()))
     elif estimator not in ("grpo", "dr_grpo", "rloo"):
         raise ValueError(f"unknown advantage estimator {estimator!r}")
     return adv.float()
@@ -79,16 +111,16 @@ def group_advantages(
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """(x - mean) / (std + EPS) with mean and population std taken over the tokens where mask == 1; 0 elsewhere.
+    """(x - mean) / sqrt(var + WHITEN_EPS) over the tokens where mask == 1 (`whitening_scale`: Bessel-corrected
+    variance, as slime and verl); 0 elsewhere.
 
-    shift_mean=False rescales without centring: x / (std + EPS) (the std is still about the masked mean).
+    shift_mean=False rescales without centring: x / sqrt(var + WHITEN_EPS) (the variance is still about the mean).
     """
     m = mask.to(x.dtype)
-    n = m.sum().clamp(min=1.0)
-    mean = (x * m).sum() / n
-    std = (((x - mean) * m).square().sum() / n).sqrt()
+    n = float(m.sum())
+    mean = float((x * m).sum()) / max(n, 1.0)
     out = (x - mean) if shift_mean else x
-    return out / (std + EPS) * m
+    return out * whitening_scale(n, float(((x - mean) * m).square().sum())) * m
 
 
 def terminal_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -166,8 +198,9 @@ def reinforce_pp_returns(
 
     KL-shaped token reward, on trained tokens only:  r_t = -kl_coef * kl_t + [t = last trained token] * rewards[i]
     Discounted return over the trained tokens:        G_t = r_t + gamma * G_{n(t)}   (G = 0 after the last one)
-    Global batch whitening over all trained tokens:    A_t = (G_t - mean(G)) / (std(G) + EPS),  A = 0 on masked tokens
-    (mean and population std over every trained token of the batch: no critic and no per-prompt baseline).
+    Global batch whitening over all trained tokens:    A_t = (G_t - mean(G)) / sqrt(var(G) + 1e-8),  A = 0 on masked
+    tokens (mean and Bessel-corrected variance over every trained token of the batch: no critic, no per-prompt
+    baseline).
     kl: [b, t] per-token KL estimate to the reference (e.g. `losses.kl_penalty(..., "k1")` of the rollout policy), or
     None for no shaping. Masked tokens are skipped as in `gae` (this is `gae` with V = 0 and lam = 1, then whitened).
     whiten=False returns the returns G (the caller whitens them over a batch spread over several tensors or ranks).

@@ -44,7 +44,10 @@ def build_train_samples(table: pa.Table, estimator: str, normalize_by_std: bool)
         adv = torch.zeros(len(rows))  # per-token advantages come from the trainer (values, reference), not here
     else:
         # GSPO keeps GRPO's group-relative advantages; only its importance ratio is per sequence (the loss).
-        adv = group_advantages(rewards, groups, "grpo" if estimator == "gspo" else estimator, normalize_by_std)
+        trained = torch.tensor([sum(r["loss_mask"] or []) for r in rows])  # R++-baseline whitens over these tokens
+        adv = group_advantages(
+            rewards, groups, "grpo" if estimator == "gspo" else estimator, normalize_by_std, trained
+        )
     return [
         TrainSample(
             prompt_token_ids=r["prompt_token_ids"],

@@ -27,7 +27,13 @@ from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
 from sluiceway.models.hf_megatron import hf_to_megatron
 from sluiceway.models.megatron_gpt import allreduce_gradients, recompute_overrides
 from sluiceway.models.value_model import build_value_model, init_value_head, token_values
-from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS, gae, reinforce_pp_returns, terminal_rewards
+from sluiceway.tasks.train.advantages import (
+    TOKEN_LEVEL_ESTIMATORS,
+    gae,
+    reinforce_pp_returns,
+    terminal_rewards,
+    whitening_scale,
+)
 from sluiceway.tasks.train.losses import kl_penalty, value_objective
 from sluiceway.tasks.train.optim import adamw, step_master_weights
 from sluiceway.tasks.train.parallel import is_tensor_parallel, reduce_step_metrics
@@ -61,13 +67,13 @@ def _masked_sums(xs: list[torch.Tensor], masks: list[torch.Tensor], *fns: Callab
     return _dp_reduce(torch.stack(rows).sum(0) if rows else torch.zeros(len(fns) + 1, dtype=torch.float64)).tolist()
 
 
-def whiten(xs: list[torch.Tensor], masks: list[torch.Tensor], eps: float = 1e-6) -> list[torch.Tensor]:
-    """`advantages.masked_whiten` over several tensors (and DP ranks) at once: one mean and population std."""
+def whiten(xs: list[torch.Tensor], masks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`advantages.masked_whiten` over several tensors (and DP ranks) at once: one mean and variance."""
     n, s = _masked_sums(xs, masks, lambda x: x)
     mean = s / max(n, 1.0)
     _, sq = _masked_sums(xs, masks, lambda x: (x.double() - mean).square())
-    std = math.sqrt(sq / max(n, 1.0))
-    return [((x.double() - mean) / (std + eps) * m).to(x.dtype) for x, m in zip(xs, masks)]
+    scale = whitening_scale(n, sq)
+    return [((x.double() - mean) * scale * m).to(x.dtype) for x, m in zip(xs, masks)]
 
 
 def _masked_extremes(xs: list[torch.Tensor], masks: list[torch.Tensor]) -> tuple[float, float]:

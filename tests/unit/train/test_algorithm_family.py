@@ -39,18 +39,18 @@ def close(a, b, atol=1e-5):
 @pytest.mark.parametrize(
     "estimator,expected",
     [
-        # group 0 = {1, 3}: mean 2, population std 1 -> centred [-1, 1], /std -> [-1, 1]
-        # groups 1 and 2 hold one sample each: r - mean = 0; group 3 = {4, 4} has equal rewards: 0
-        ("grpo", [-1.0, 1.0, 0.0, 0.0, 0.0, 0.0]),
+        # group 0 = {1, 3}: mean 2, sample std sqrt(2) -> centred [-1, 1], /std -> [-1/sqrt(2), 1/sqrt(2)]
+        # groups 1 and 2 hold one sample each: 0 (no n - 1 std); group 3 = {4, 4} has equal rewards: 0
+        ("grpo", [-1 / math.sqrt(2), 1 / math.sqrt(2), 0.0, 0.0, 0.0, 0.0]),
         ("dr_grpo", [-1.0, 1.0, 0.0, 0.0, 0.0, 0.0]),
-        # centred [-1, 1, 0, 0, 0, 0]: batch mean 0, std sqrt(2/6) -> +-1/sqrt(1/3) = +-sqrt(3)
-        ("reinforce_plus_plus_baseline", [-math.sqrt(3), math.sqrt(3), 0.0, 0.0, 0.0, 0.0]),
+        # centred [-1, 1, 0, 0, 0, 0], one token each: batch mean 0, var 2/5 -> +-1/sqrt(0.4) = +-sqrt(2.5)
+        ("reinforce_plus_plus_baseline", [-math.sqrt(2.5), math.sqrt(2.5), 0.0, 0.0, 0.0, 0.0]),
     ],
 )
 def test_group_estimators_with_singletons_and_equal_rewards(estimator, expected):
     rewards = torch.tensor([1.0, 3.0, 0.0, 5.0, 4.0, 4.0])
     groups = torch.tensor([0, 0, 1, 2, 3, 3])
-    adv = group_advantages(rewards, groups, estimator)
+    adv = group_advantages(rewards, groups, estimator, token_counts=torch.ones(6))
     assert torch.isfinite(adv).all()
     close(adv, expected, atol=1e-4)
 
@@ -132,8 +132,8 @@ def test_gae_reward_on_a_masked_env_token_goes_to_the_preceding_action():
 
 def test_gae_whitening_is_over_trained_tokens_and_leaves_returns_alone():
     adv, ret = gae(GAE_R[:1], GAE_V[:1], GAE_MASK[:1], gamma=0.9, lam=0.5, whiten_advantages=True)
-    # raw advantages 0.04 and 0.8: mean 0.42, population std 0.38 -> -1 and +1
-    close(adv, [[-1.0, 0.0, 1.0, 0.0]], atol=1e-4)
+    # raw advantages 0.04 and 0.8: mean 0.42, sample std 0.38 x sqrt(2) -> -+1/sqrt(2)
+    close(adv, [[-1 / math.sqrt(2), 0.0, 1 / math.sqrt(2), 0.0]], atol=1e-4)
     close(ret, [[0.54, 0.0, 1.0, 0.0]])
 
 
@@ -155,7 +155,7 @@ def test_reinforce_pp_returns_with_kl_shaping_by_hand():
     # returns (suffix sums): row 0 [0.7, 0.75, 0.85], row 1 [-0.45, -0.25]
     g = [0.7, 0.75, 0.85, -0.45, -0.25]
     mean = sum(g) / 5  # 0.32
-    std = math.sqrt(sum((x - mean) ** 2 for x in g) / 5)  # sqrt(1.528 / 5)
+    std = math.sqrt(sum((x - mean) ** 2 for x in g) / 4)  # sqrt(1.528 / 4): Bessel-corrected, n - 1
     w = [(x - mean) / std for x in g]
     close(adv, [[w[0], w[1], w[2]], [w[3], w[4], 0.0]], atol=1e-4)
     assert abs(adv[mask > 0].mean().item()) < 1e-5
@@ -166,7 +166,7 @@ def test_reinforce_pp_discounting_and_equal_returns():
     adv = reinforce_pp_returns(torch.tensor([1.0, 0.0]), mask, None, 0.0, gamma=0.5)
     g = [0.25, 0.5, 1.0, 0.0, 0.0]  # 0.5^2, 0.5, 1 ; no reward in row 1
     mean = sum(g) / 5
-    std = math.sqrt(sum((x - mean) ** 2 for x in g) / 5)
+    std = math.sqrt(sum((x - mean) ** 2 for x in g) / 4)
     close(adv, [[(g[0] - mean) / std, (g[1] - mean) / std, (g[2] - mean) / std], [-mean / std, -mean / std, 0.0]])
     # all returns equal (gamma = 1, same reward, no KL): whitening gives 0, never NaN
     flat = reinforce_pp_returns(torch.tensor([1.0, 1.0]), mask, None, 0.0, gamma=1.0)
@@ -175,7 +175,7 @@ def test_reinforce_pp_discounting_and_equal_returns():
 
 def test_masked_whiten_ignores_masked_values():
     out = masked_whiten(torch.tensor([[1.0, 100.0, 3.0]]), torch.tensor([[1.0, 0.0, 1.0]]))
-    close(out, [[-1.0, 0.0, 1.0]], atol=1e-4)  # mean 2, std 1 over {1, 3}
+    close(out, [[-1 / math.sqrt(2), 0.0, 1 / math.sqrt(2)]], atol=1e-4)  # mean 2, sample std sqrt(2) over {1, 3}
 
 
 # --------------------------------------------------------------------------- PPO clip + dual clip

@@ -65,7 +65,7 @@ def ppo_samples(tok, rewards):
 def test_reinforce_pp_advantages_by_hand_across_micro_batches():
     """gamma 0.5 over trained tokens only: A's masked middle token is skipped, B's single token gets its reward.
 
-    Returns on trained tokens: A [0.5, -, 1], B [0], C [1, 2]; mean 0.9, population std sqrt(0.44); the whitening
+    Returns on trained tokens: A [0.5, -, 1], B [0], C [1, 2]; mean 0.9, sample std sqrt(0.55); the whitening
     spans both micro-batches, so the result equals one whitening of the whole batch.
     """
     a, b, c = hand_samples()
@@ -73,13 +73,15 @@ def test_reinforce_pp_advantages_by_hand_across_micro_batches():
     algo = AlgorithmConfig(advantage_estimator="reinforce_plus_plus", gamma=0.5)
     targets, metrics = token_advantages(steps, algo, not_needed, None, None)
     assert targets is None  # no critic
-    std = math.sqrt(0.44)
-    w = lambda g: (g - 0.9) / (std + 1e-6)  # noqa: E731
+    std = math.sqrt(2.2 / 4)  # squared deviations 0.16 + 0.01 + 0.81 + 0.01 + 1.21 = 2.2 over 5 tokens, n - 1 = 4
+    w = lambda g: (g - 0.9) / math.sqrt(std**2 + 1e-8)  # noqa: E731
     ab, cc = steps[0][0].advantages, steps[1][0].advantages
     torch.testing.assert_close(ab[0], torch.tensor([0.0, w(0.5), 0.0, w(1.0)]))  # index 2: the masked token
     torch.testing.assert_close(ab[1], torch.tensor([0.0, w(0.0), 0.0, 0.0]))  # one token, then padding
     torch.testing.assert_close(cc[0], torch.tensor([0.0, w(1.0), w(2.0)]))
-    assert metrics["adv_mean"] == pytest.approx(0.0, abs=1e-6) and metrics["adv_std"] == pytest.approx(1.0, abs=1e-5)
+    # adv_std is the population std of the whitened advantages: sqrt((n - 1) / n) = sqrt(4/5)
+    assert metrics["adv_mean"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["adv_std"] == pytest.approx(math.sqrt(0.8), abs=1e-5)
     assert metrics["adv_max"] == pytest.approx(w(2.0), rel=1e-6) and metrics["adv_min"] == pytest.approx(w(0.0))
     # The same as advantages.reinforce_pp_returns on the batch in one tensor.
     whole = collate([a, b, c], pad_id=0)
