@@ -37,13 +37,21 @@ FAST_PATH_TESTS := tests/unit/engine/test_engine.py tests/unit/train/test_cpu_fa
 	tests/unit/models/test_megatron_parity.py tests/integration/test_megatron_tp2.py \
 	tests/integration/test_engine_server.py
 
+# `make test` is a first use every time: HOME, the XDG caches, TMPDIR (torch's and Ray's files) and therefore
+# SLUICEWAY_CACHE's default (~/.cache/sluiceway: models, the precision probe, the Prefect template database) and
+# matplotlib's cache live in a new temporary directory, removed afterwards. A warm cache hid first-use bugs (issue 29).
+FRESH = T=$$(mktemp -d /tmp/sw-fresh.XXXXXX) && mkdir -p $$T/home $$T/tmp && trap 'rm -rf "$$T"' EXIT && \
+	env -u SLUICEWAY_CACHE -u MPLCONFIGDIR -u XDG_CACHE_HOME -u XDG_CONFIG_HOME -u XDG_DATA_HOME -u PREFECT_HOME \
+	-u RAY_TMPDIR HOME=$$T/home TMPDIR=$$T/tmp
+
 # Both tiers, tests/unit and tests/integration (what starts engines, a router, torchrun or spawned process groups,
 # Prefect, the CLI, the sandbox or a browser), then the fast paths again under AVX2. CI (.ci/run) calls this.
 test: install
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
-	$(MAKE) --no-print-directory test-avx2
+	$(FRESH) $(PY) -m pytest -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS)
+	$(FRESH) $(AVX2_ONLY) $(PY) -m pytest -q -m "not slow" -p no:cacheprovider $(FAST_PATH_TESTS)
 
-# The unit tier alone (no process started but the session's SeaweedFS for the store fixture's s3 variant).
+# The unit tier alone (no process started but the session's SeaweedFS for the store fixture's s3 variant), with
+# this machine's warm caches.
 test-fast: install
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 

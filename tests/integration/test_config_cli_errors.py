@@ -1,5 +1,6 @@
 """One-line errors from the real `sluiceway` command, reported before anything starts."""
 
+import os
 import subprocess
 import sys
 import time
@@ -44,6 +45,27 @@ def run_args(tmp_path):
 def test_cli_violated_invariant(tmp_path, run_args):
     proc = sluiceway("run", "--prompt-data", "env:arithmetic", *run_args, "--global-batch-size", "8", cwd=tmp_path)
     assert_one_line_error(proc, "global_batch_size")
+
+
+def test_first_use_mistake_is_one_line(tmp_path):
+    """Issue 29: with an empty cache and HOME, the first command builds tiny-llama to read its config.json; the
+    build prints nothing (no transformers progress bar), so a mistake it finds is still exactly one line."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("SLUICEWAY_CACHE", "XDG_CACHE_HOME", "MPLCONFIGDIR")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "sluiceway.flows.cli", "run", "--hf-checkpoint", "tiny-llama", "--prompt-data",
+         "env:arithmetic", "--rollout-max-response-len", "100000000"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env | {"HOME": str(home)},
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert_one_line_error(proc, "--rollout-max-response-len 100000000", "max_position_embeddings")
+    assert proc.stdout == ""
+    assert any((home / ".cache" / "sluiceway" / "models").glob("tiny-llama-*"))  # it was a first use
+    # the same mistake on the now warm cache: the same one line
+    warm = subprocess.run(proc.args, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=env | {"HOME": str(home)})  # fmt: skip
+    assert warm.returncode == 2 and warm.stderr == proc.stderr
 
 
 def test_cli_unknown_flag(tmp_path):

@@ -183,6 +183,9 @@ def test_adaptive_difficulty_over_an_environment_mixture(tmp_path):
         args, capture_output=True, text=True, timeout=600, env=dict(os.environ, SLUICEWAY_CACHE=str(tmp_path / "cache"))
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # A fresh cache: tiny-llama is built on first use, quietly (no third-party progress bar), and said once in the log.
+    assert "Writing model shards" not in proc.stderr and "it/s]" not in proc.stderr, proc.stderr
+    assert (run_dir / "sluiceway.log").read_text().count("built tiny-llama (first use)") == 1
     rows = read_trajectories(ObjectStore.from_uri(str(run_dir / "tables")), "run").to_pylist()
     metas = [json.loads(r["metadata"]) for r in rows]
     assert {m["env"] for m in metas} == {"arithmetic", "reverse"} and all(m["level"] == 1 for m in metas)
