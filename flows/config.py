@@ -303,7 +303,10 @@ class AlgorithmConfig(_Group):
         False,
         description="On-policy distillation: a teacher scores the student's sampled tokens and each trained "
         "token's advantage becomes A - opd_kl_coef x (student log-prob - teacher log-prob), the per-token reverse "
-        "KL (docs/distillation.md). With a zero task reward it is pure distillation.",
+        "KL (docs/distillation.md). With a zero task reward it is pure distillation. As slime's --use-opd: the same "
+        "per-token term and coefficient, and the same advantages for grpo, dr_grpo, gspo and rloo; for the whitened "
+        "estimators (ppo, reinforce_plus_plus, reinforce_plus_plus_baseline) the term is added after the batch "
+        "whitening here and before it in slime (docs/algorithms.md).",
     )
     opd_type: Literal["sglang", "megatron"] | None = Field(
         None,

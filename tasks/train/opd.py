@@ -1,8 +1,8 @@
 """On-policy distillation (OPD): the teacher's log-probs of the student's own sampled tokens, as an advantage term.
 
 The student samples a response; a teacher (a frozen model with the student's vocabulary) scores the same token ids;
-each trained token's advantage is shifted by the per-token reverse KL (as slime's --use-opd, and Agarwal et al.
-2024, "On-Policy Distillation of Language Models"; Thinking Machines' "On-Policy Distillation", 2025):
+each trained token's advantage is shifted by the per-token reverse KL (Agarwal et al. 2024, "On-Policy
+Distillation of Language Models"; Thinking Machines' "On-Policy Distillation", 2025):
 
     kl_t = log pi_student(y_t | x, y_<t) - log pi_teacher(y_t | x, y_<t)        (on the sampled token y_t)
     A'_t = A_t - opd_kl_coef * kl_t                                             (trained tokens; 0 elsewhere)
@@ -13,6 +13,12 @@ then raises the student's probability of tokens the teacher likes more than the 
 the rest, which minimises the sequence-level reverse KL. A_t is the configured estimator's advantage (GRPO, RLOO,
 PPO's GAE, ...), so OPD adds to any of them; with a task reward that is always 0 every A_t is 0 and the objective is
 pure distillation.
+
+Against slime's --use-opd (apply_opd_kl_to_advantages): the same per-token term and the same coefficient
+(opd_kl_coef), so the same advantages for the estimators that are not whitened (grpo, dr_grpo, gspo, rloo). For
+the whitened ones (ppo, reinforce_plus_plus, reinforce_plus_plus_baseline) the term is added here after the batch
+whitening (the trainer calls `micro_batch_opd` per micro-batch, once the advantages are final), and in slime before
+it, so there it is centred and rescaled with the advantages; here it keeps its absolute scale. docs/algorithms.md.
 
 The student's log-probs are the trainer's, before the step's update (the PPO old policy: at the rollout
 temperature, the distribution the student samples from); the teacher's are its unscaled distribution (temperature
