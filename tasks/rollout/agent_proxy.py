@@ -25,6 +25,7 @@ import asyncio
 import concurrent.futures as cf
 import inspect
 import json
+import math
 import re
 import secrets
 import socket
@@ -43,6 +44,7 @@ from sluiceway.tasks.rollout.multiturn import GenerateContext, TokenBuffer
 FLAG = "--agent-function-path"
 SESSION_HEADER = "x-session-id"
 DROPPED = "the agent dropped its connection during a model call"
+MAX_BODY_BYTES = 16 << 20  # a request body larger than this is a 413 before it is read
 # Stands in for the last assistant turn when a call's new messages are rendered: the text the template puts
 # after it is the turn's closing, then the new messages, then the next assistant header.
 _SENTINEL = "\u2063SLUICEWAY-ASSISTANT-TURN\u2063"
@@ -210,6 +212,11 @@ class AgentSession:
             raise SessionError(f"session {self.sid} was aborted: {self.aborted}", 409)
 
     def _start(self, prompt_ids: list[int], text: str) -> None:
+        limit = self.ctx.max_prompt_len
+        if limit is not None and len(prompt_ids) > limit:  # refused here, never sent to an engine
+            raise SessionError(
+                f"the first request is {len(prompt_ids)} tokens, more than the run's --rollout-max-prompt-len {limit}"
+            )
         self.buf = self.ctx.new_buffer(prompt_ids)
         self.prompt_text = text
 
@@ -350,8 +357,8 @@ class AgentSession:
         return {"prompt_tokens": total - len(ids), "completion_tokens": len(ids), "total_tokens": total}
 
     def set_reward(self, reward: Any) -> None:
-        if isinstance(reward, bool) or not isinstance(reward, int | float):
-            raise SessionError(f"reward must be a number, got {reward!r}")
+        if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+            raise SessionError(f"reward must be a finite number, got {reward!r}")
         self._check_open()
         self.reward = float(reward)
 
@@ -398,6 +405,7 @@ class AgentProxy:
         self._started = threading.Event()
         self._lock = threading.Lock()
         self._server = None
+        self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
@@ -414,23 +422,44 @@ class AgentProxy:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
-            threading.Thread(target=self._serve, args=(sock,), name="sluiceway-agent-proxy", daemon=True).start()
+            self._thread = threading.Thread(target=self._serve, args=(sock,), name="sluiceway-agent-proxy", daemon=True)
+            self._thread.start()
         if not self._started.wait(30):
             raise RuntimeError("the agent proxy did not start")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop serving and join the server's thread (a daemon: a process may also just exit)."""
+        with self._lock:
+            thread, server = self._thread, self._server
+            if thread is None:
+                return
+            if server is not None:
+                server.should_exit = True
+            thread.join(timeout_s)
+            if thread.is_alive():
+                raise RuntimeError(f"the agent proxy did not stop within {timeout_s:g} s")
+            self._thread, self._server, self.port, self.loop = None, None, None, None
+            self._started.clear()
 
     def _serve(self, sock) -> None:
         import uvicorn
 
-        config = uvicorn.Config(self._app(), log_level="warning", access_log=False, lifespan="off")
-        self._server = uvicorn.Server(config)
-        self.loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(self.loop)
+        # log_config=None: uvicorn's default runs logging.config.dictConfig, which closes the process's handlers
+        # under logging's lock; Prefect's API log handler, flushing there, waits on threads that wait for that same
+        # lock -- a run hung for good at start-up (issue 30). The server logs through the run's own handlers.
+        config = uvicorn.Config(self._app(), log_level="warning", access_log=False, lifespan="off", log_config=None)
+        server = self._server = uvicorn.Server(config)
+        loop = self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
 
         async def main():
-            self.loop.call_soon(self._started.set)
-            await self._server.serve(sockets=[sock])
+            loop.call_soon(self._started.set)
+            await server.serve(sockets=[sock])
 
-        self.loop.run_until_complete(main())
+        try:
+            loop.run_until_complete(main())
+        finally:
+            loop.close()
 
     def _app(self):
         """Plain Starlette routes (no FastAPI parameter injection): every handler takes the request."""
@@ -459,6 +488,9 @@ class AgentProxy:
         async def call(request, what: str) -> JSONResponse:
             if not authorized(request):
                 return err("invalid API key", 401)
+            size = request.headers.get("content-length", "")
+            if size.isdigit() and int(size) > MAX_BODY_BYTES:
+                return err(f"the request is {int(size)} bytes, more than {MAX_BODY_BYTES}", 413)
             try:
                 body = await request.json()
             except ValueError:
@@ -583,7 +615,10 @@ class AgentGenerate:
                     _AGENT_THREADS, self.fn, p.base_url(s.sid), p.api_key, prompt_row(prompt)
                 )
             if isinstance(out, int | float) and not isinstance(out, bool) and s.reward is None and not s.aborted:
-                s.reward = float(out)
+                if not math.isfinite(out):  # never a table's reward: the sample fails with its reason
+                    s.aborted = f"the agent function returned a non-finite reward {out!r}"
+                else:
+                    s.reward = float(out)
             if s._lock is not None and s._lock.locked():  # returned with a call unanswered: the agent left it
                 s.aborted = s.aborted or DROPPED
         except Exception as e:  # noqa: BLE001 - the agent's failure is the sample's, stored as aborted

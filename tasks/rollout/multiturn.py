@@ -66,6 +66,7 @@ class GenerateContext:
     rid: str  # base request id of this sample; turn k is sent as f"{rid}#k"
     max_new_tokens: int  # the sample's whole budget of response tokens, model and environment together
     routing_key: str | None = None  # the group's: every turn of every sample of a group goes to one engine
+    max_prompt_len: int | None = None  # the longest prompt a sample may start from (--rollout-max-prompt-len)
 
     def new_buffer(self, prompt_ids: list[int]) -> TokenBuffer:
         return TokenBuffer(list(prompt_ids))

@@ -99,7 +99,7 @@ def build_rollout_settings(cfg: RunConfig, tokenizer, hf_dir: Path) -> RolloutSe
         partial_rollout=r.partial_rollout, mask_offpolicy=r.mask_offpolicy_in_partial_rollout,
         custom_generate=load_custom_generate(r.custom_generate_function_path) if r.custom_generate_function_path
         else AgentGenerate(load_agent_function(r.agent_function_path)) if r.agent_function_path
-        else None, tokenizer=tokenizer,
+        else None, tokenizer=tokenizer, max_prompt_len=r.rollout_max_prompt_len,
     )  # fmt: skip
 
 

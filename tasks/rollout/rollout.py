@@ -113,6 +113,7 @@ class RolloutSettings:
     mask_offpolicy: bool = False
     custom_generate: Callable | None = None  # see tasks/rollout/multiturn.py
     tokenizer: object = None  # for custom generate functions
+    max_prompt_len: int | None = None  # what a custom generate function may start from (--rollout-max-prompt-len)
 
 
 @dataclass
@@ -311,7 +312,8 @@ class Rollout:
             return _Aborted(finish_reason="length", weight_version=part.weight_versions[-1])
         rid, key = request_id(self.run_id, self.step, w.group_id, i), group_key(self.run_id, self.step, w.group_id)
         if s.custom_generate is not None:
-            ctx = GenerateContext(target.client, s.tokenizer, rid, s.max_new_tokens, routing_key=key)
+            ctx = GenerateContext(target.client, s.tokenizer, rid, s.max_new_tokens, routing_key=key,
+                                  max_prompt_len=s.max_prompt_len)  # fmt: skip
             call = s.custom_generate(ctx, w.prompt, params)
         else:
             call = target.client.generate(w.prompt.token_ids + part.token_ids, params, rid=rid, routing_key=key)

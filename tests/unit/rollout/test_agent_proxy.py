@@ -179,9 +179,9 @@ def _agent_module(tmp_path, body: str) -> str:
     return f"{f}:agent"
 
 
-def _run_agent(tok, path, engine, prompt="What is 2+2?"):
+def _run_agent(tok, path, engine, prompt="What is 2+2?", max_prompt_len=None):
     gen = AgentGenerate(load_agent_function(path))
-    ctx = GenerateContext(engine, tok, "run/0/0/0", 200, routing_key="run/0/0")
+    ctx = GenerateContext(engine, tok, "run/0/0/0", 200, routing_key="run/0/0", max_prompt_len=max_prompt_len)
     item = PromptItem("p0", prompt, tok.encode(prompt), "4", {"env": "x"}, prompt)
     return asyncio.run(gen(ctx, item, dict(PARAMS)))
 
@@ -217,6 +217,53 @@ def agent(base_url, api_key, prompt):
     res = _run_agent(tok, path, engine)
     assert res.abort_reason is None and res.reward == 0.75 and res.turns == 2 and res.finish_reason == "stop"
     assert res.token_ids[: len(engine.calls[0]["output_ids"])] == engine.calls[0]["output_ids"]
+
+
+def test_non_finite_rewards_never_reach_the_row(tiny, tmp_path):
+    """Issue 30: POST {"reward": NaN} was answered 200 and stored; now a 400, and the row keeps no reward."""
+    _, tok = tiny
+    path = _agent_module(
+        tmp_path,
+        """
+import httpx, openai
+
+def agent(base_url, api_key, prompt):
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+    for bad in ("NaN", "Infinity", "-Infinity"):
+        r = httpx.post(base_url.removesuffix("/v1") + "/reward", content='{"reward": %s}' % bad,
+                       headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"})
+        assert r.status_code == 400 and "finite" in r.json()["error"]["message"], r.text
+""",
+    )
+    res = _run_agent(tok, path, ScriptedEngine(tok, ["hello"]))
+    assert res.abort_reason is None and res.reward is None  # left to the run's reward function
+    returning = _agent_module(tmp_path, "def agent(base_url, api_key, prompt):\n    return float('nan')\n")
+    res = _run_agent(tok, returning, ScriptedEngine(tok, ["hello"]))
+    assert res.reward is None and res.finish_reason == "abort" and "non-finite reward nan" in res.abort_reason
+
+
+def test_an_oversized_first_message_is_a_400_before_any_engine_call(tiny, tmp_path):
+    """Issue 30: a 1 MB first message went to the engine and came back 502; now refused by the proxy."""
+    _, tok = tiny
+    path = _agent_module(
+        tmp_path,
+        """
+import openai
+
+def agent(base_url, api_key, prompt):
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    try:
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "ab " * 300_000}])
+    except openai.BadRequestError as e:
+        assert "--rollout-max-prompt-len 64" in str(e), e
+        raise RuntimeError("refused") from None
+    raise AssertionError("a 900 kB message was accepted")
+""",
+    )
+    engine = ScriptedEngine(tok, ["hello"])
+    res = _run_agent(tok, path, engine, max_prompt_len=64)
+    assert engine.calls == [] and res.finish_reason == "abort" and "refused" in res.abort_reason
 
 
 def test_agent_returning_a_number_and_sessions_by_user_field(tiny, tmp_path):
@@ -321,3 +368,31 @@ def test_run_flags_refuse_a_bad_agent_in_one_line(tmp_path, extra, message):
     with pytest.raises(UserError, match=message) as e:
         resolve_config(make_parser().parse_args(argv))
     assert "\n" not in str(e.value)
+
+
+def test_the_endpoint_leaves_the_process_logging_alone(monkeypatch):
+    """Issue 30: uvicorn's default logging config ran dictConfig, which closes every handler of the process under
+    logging's lock (the start-up hang with Prefect's API log handler). Starting and stopping the endpoint must not
+    reconfigure logging: the root's handlers stay the same objects, open."""
+    import logging
+    import logging.config
+
+    from sluiceway.tasks.rollout.agent_proxy import AgentProxy
+
+    calls = []
+    monkeypatch.setattr(logging.config, "dictConfig", lambda *a, **k: calls.append(a))
+    handler = logging.StreamHandler()
+    logging.getLogger().addHandler(handler)
+    try:
+        before = list(logging.getLogger().handlers)
+        p = AgentProxy()
+        p.start()
+        port = p.port
+        p.stop()
+        assert calls == [] and logging.getLogger().handlers == before and handler.stream is not None
+        assert p.port is None and port
+        p.start()  # a stopped endpoint starts again
+        assert p.port
+        p.stop()
+    finally:
+        logging.getLogger().removeHandler(handler)
