@@ -40,6 +40,11 @@ from sluiceway.infra.errors import UserError
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        # No prefix matching: slime's --normalize-advantages would silently be --normalize-advantages-by-std.
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> typing.NoReturn:  # argparse would print usage and the message
         raise UserError(f"{self.prog}: {message}")
 

@@ -37,6 +37,7 @@ IMPLEMENTED, MAPPED, NOT_APPLICABLE, ARCHITECTURE = "implemented", "mapped", "no
 REFUSED = "refused"  # changes results in a way sluiceway does not implement: one error line saying so
 
 log = logging.getLogger("sluiceway.slime")
+WHITENED_ESTIMATORS = ("ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")  # docs/algorithms.md
 
 
 @dataclass(frozen=True)
@@ -549,6 +550,25 @@ RUN_FLAGS: dict[str, Flag] = {
         "refused",
         nargs=0,
     ),  # fmt: skip
+    "--normalize-advantages": Flag(
+        IMPLEMENTED,
+        "whitening of the advantages over the batch's trained tokens, which ppo, reinforce_plus_plus and "
+        "reinforce_plus_plus_baseline always do here (slime requires the flag for the two REINFORCE++ estimators); "
+        "with grpo, gspo, dr_grpo or rloo it is refused (whitening their advantages is not implemented)",
+        nargs=0,
+    ),
+    "--disable-grpo-std-normalization": Flag(
+        MAPPED,
+        "onto --normalize-advantages-by-std false: GRPO's centred rewards, not divided by the group's std",
+        nargs=0,
+        apply=lambda v: {("algorithm", "normalize_advantages_by_std"): False},
+    ),
+    "--disable-rewards-normalization": Flag(
+        REFUSED,
+        "slime then trains on the raw rewards, with no group baseline, which is not implemented: for centred "
+        "rewards without the std use --disable-grpo-std-normalization or --advantage-estimator dr_grpo",
+        nargs=0,
+    ),
     "--debug-train-only": Flag(
         REFUSED, "trains on saved rollout data without engines: use `sluiceway replay` on a stored run", nargs=0
     ),  # fmt: skip
@@ -644,6 +664,11 @@ def take(args: argparse.Namespace) -> Given:
     if "--disable-compute-advantages-and-returns" in given.flags and ns.get("algorithm.loss_type") != "sft_loss":
         raise UserError("--disable-compute-advantages-and-returns trains without advantages: only with "
                         "--loss-type sft_loss (slime's SFT scripts); the policy loss needs them")  # fmt: skip
+    estimator = ns.get("algorithm.advantage_estimator") or "grpo"
+    if "--normalize-advantages" in given.flags and estimator not in WHITENED_ESTIMATORS:
+        raise UserError(f"--normalize-advantages with --advantage-estimator {estimator}: whitening its advantages "
+                        f"over the batch is not implemented (only {', '.join(WHITENED_ESTIMATORS)}, which always "
+                        "whiten)")  # fmt: skip
     if "--lr-warmup-fraction" in given.flags:
         iters = _warmup_iters(ns, given.flags["--lr-warmup-fraction"])
         if "training.lr_warmup_iters" in ns and _n(ns["training.lr_warmup_iters"]) != iters:

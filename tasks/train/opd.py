@@ -11,8 +11,8 @@ kl_t is a one-sample estimate of KL(pi_student || pi_teacher) at position t: its
 is the reverse KL. It is a constant of the loss (no gradient through either log-prob): the policy-gradient loss
 then raises the student's probability of tokens the teacher likes more than the student does (kl_t < 0) and lowers
 the rest, which minimises the sequence-level reverse KL. A_t is the configured estimator's advantage (GRPO, RLOO,
-PPO's GAE, ...), so OPD adds to any of them; with a task reward that is always 0 every A_t is 0 and the objective is
-pure distillation.
+PPO's GAE, ...), so OPD adds to any of them; with a task reward that is always 0 the group estimators' A_t are 0 and
+the objective is pure distillation (PPO's GAE advantages are not: its critic's values make them non-zero).
 
 Against slime's --use-opd (apply_opd_kl_to_advantages): the same per-token term and the same coefficient
 (opd_kl_coef), so the same advantages for the estimators that are not whitened (grpo, dr_grpo, gspo, rloo). For

@@ -276,3 +276,15 @@ def test_slime_custom_functions_are_named_as_needing_a_port():
     assert "port it" in gen and "slime's function" in gen
     with pytest.raises(UserError, match="slime-style dotted path"):
         load_function("generate_with_search.reward_func", "--custom-rm-path")
+
+
+def test_slime_normalisation_flags_and_no_prefix_matching():
+    """Found while writing docs/algorithms.md: argparse's prefix matching read slime's --normalize-advantages as
+    --normalize-advantages-by-std. Now each of slime's three normalisation flags has its own treatment."""
+    main = cli.main
+    assert main(["config", "--prompt-data", "env:arithmetic", "--normalize-advantages"]) == 2  # grpo: refused
+    assert main(["config", "--prompt-data", "env:arithmetic", "--disable-rewards-normalization"]) == 2
+    assert main(["config", "--prompt-data", "env:arithmetic", "--normalize-advantages-by"]) == 2  # no prefixes
+    args = cli.make_parser().parse_args(["run", "--disable-grpo-std-normalization"])
+    slime_compat.take(args)
+    assert vars(args)["algorithm.normalize_advantages_by_std"] is False
