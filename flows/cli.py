@@ -340,7 +340,7 @@ def _dispatch(command: str, cfg: RunConfig) -> int:
     with run_lock.hold(Path(cfg.storage.output_dir).resolve(), store, cfg.run_id, command):
         check_tables(store, RUN_TABLES)  # a damaged table is one line, not a run on unreadable data
         if command in RESUMABLE:
-            save_run_record(cfg, command)
+            save_run_record(cfg, command, store)
         if command == "sft":
             from sluiceway.flows.run import run_sft
 

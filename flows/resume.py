@@ -23,31 +23,61 @@ RESUMABLE = ("run", "sft", "replay")
 CONTINUABLE = {"rollout.num_rollout", "training.num_epoch"}
 
 
-def save_run_record(cfg: RunConfig, command: str) -> Path:
-    """Write the record; a directory that holds another run (another command or config) is refused, so a new
-    run never silently continues an old one or overwrites what `resume` would replay."""
-    run_dir = Path(cfg.storage.output_dir)
+# Where a run is, not what it is: the same run may be continued from another directory or endpoint.
+LOCATION = {"storage.output_dir", "storage.s3_endpoint_url", "storage.s3_region"}
+STORE_RECORDS = "_runs"  # STORE/_runs/RUN_ID.yaml: the record beside the run's tables
+
+
+def save_run_record(cfg: RunConfig, command: str, store=None) -> Path:
+    """Write the record in the run directory and, given the run's table store, beside its tables; a directory or
+    tables that hold another run (another command or config) are refused, so a new run never silently continues an
+    old one (from its directory or from its tables in a shared store) or overwrites what `resume` would replay."""
+    run_dir = Path(cfg.storage.output_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / RECORD
     config = cfg.model_dump(mode="json")
-    if path.is_file() and command == "run":  # sft and replay pin their own inputs (data, table version)
-        try:
-            old = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError:
-            old = {}
-        changed = _differences(_current(old.get("config")), config) if isinstance(old, dict) else ["record"]
-        if isinstance(old, dict) and old.get("command") != command:
-            changed.insert(0, "command")
-        changed = [c for c in changed if c not in CONTINUABLE and not c.startswith(("logging.", "eval."))]
-        if changed:
-            raise UserError(
-                f"--output-dir {run_dir}: holds another run ({', '.join(changed[:3])} differ); "
-                f"`sluiceway resume {run_dir}` continues it, or choose another --output-dir"
-            )
+    config["storage"]["output_dir"] = str(run_dir)  # `runs/a` and `$PWD/runs/a` are one directory
+    old = _read_record(path.read_text()) if path.is_file() else None
+    _refuse_another_run(old, config, command, f"--output-dir {cfg.storage.output_dir}", f"sluiceway resume {run_dir}")
+    record = yaml.safe_dump({"command": command, "config": config}, sort_keys=False)
+    if store is not None:
+        fs, where = store.filesystem(), store.join(STORE_RECORDS, f"{cfg.run_id}.yaml").removeprefix("s3://")
+        with store.redacting():
+            try:
+                stored = _read_record(fs.cat_file(where).decode())
+            except FileNotFoundError:
+                stored = None
+            _refuse_another_run(stored, config, command, f"run {cfg.run_id!r} in {store.join()}",
+                                "the same config (its run directory's sluiceway-run.yaml)")  # fmt: skip
+            if not store.is_s3:
+                Path(where).parent.mkdir(parents=True, exist_ok=True)
+            fs.pipe_file(where, record.encode())
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump({"command": command, "config": config}, sort_keys=False))
+    tmp.write_text(record)
     tmp.replace(path)
     return path
+
+
+def _read_record(text: str) -> dict:
+    try:
+        old = yaml.safe_load(text)
+    except yaml.YAMLError:
+        old = None
+    return old if isinstance(old, dict) else {"damaged": True}
+
+
+def _refuse_another_run(old: dict | None, config: dict, command: str, where: str, continue_with: str) -> None:
+    """One line naming the fields in which `config` is another run than the `old` record (sft and replay pin their
+    own inputs, data and table version, so only `run` is compared)."""
+    if old is None or command != "run":
+        return
+    changed = ["record"] if old.get("damaged") else _differences(_current(old.get("config")), config)
+    if old.get("command") not in (None, command) and not old.get("damaged"):
+        changed.insert(0, "command")
+    changed = [c for c in changed if c not in CONTINUABLE | LOCATION and not c.startswith(("logging.", "eval."))]
+    if changed:
+        raise UserError(f"{where}: holds another run ({', '.join(changed[:3])} differ); `{continue_with}` "
+                        "continues it, or choose another " + ("--output-dir" if "output-dir" in where else "--run-id"))
 
 
 def _current(recorded) -> dict:
@@ -87,4 +117,6 @@ def load_run_record(ref: str, runs_root: str = "runs") -> tuple[str, RunConfig]:
         raise UserError(f"resume: {path} is not a run record ({type(e).__name__})") from None
     if command not in RESUMABLE:
         raise UserError(f"resume: {path}: command {command!r} cannot be resumed (one of {', '.join(RESUMABLE)})")
+    if isinstance(config, dict) and isinstance(config.get("storage"), dict):
+        config["storage"]["output_dir"] = str(path.parent.resolve())  # the run is where its record is
     return command, build_config(config, {}, source=str(path))

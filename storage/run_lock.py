@@ -112,7 +112,10 @@ class _Lease:
         beat = json.loads(self._read(self._path(gen, "beat")) or "{}")
         if holder is None or beat.get("released"):
             return None
-        if time.time() - float(beat.get("at", 0)) > self.ttl_s or holder.dead_here():
+        if holder.dead_here():  # a killed run on this host: taking its lease over is the expected resume
+            log.debug("taking over the lease of %s: its process is gone", holder.describe())
+            return None
+        if time.time() - float(beat.get("at", 0)) > self.ttl_s:
             log.warning("taking over the lease of %s: it stopped beating", holder.describe())
             return None
         return holder
