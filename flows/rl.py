@@ -31,7 +31,7 @@ from sluiceway.storage.trajectories import is_trainable, read_trajectories
 from sluiceway.tasks.evaluate.evaluate import evaluate
 from sluiceway.tasks.filter.apply import filter_step
 from sluiceway.tasks.filter.filters import build_filters
-from sluiceway.tasks.reward.score import score_step
+from sluiceway.tasks.reward.score import rescore_non_finite, score_step
 from sluiceway.tasks.rollout.prompts import adaptive_step_prompts, eval_rollout_settings
 from sluiceway.tasks.rollout.rollout import plan_step, prompt_indices_for_step, run_rollout
 from sluiceway.tasks.rollout.teacher import score_step_with_teacher
@@ -161,6 +161,8 @@ def filter_task(run_id: str, step: int) -> dict:
 def train_task(run_id: str, step: int) -> dict:
     rt = runtime.get(run_id)
     table = read_trajectories(rt.store, run_id, step)
+    # Rows with a NaN reward from an older build are scored again (tasks/reward/score.py `has_reward` says why).
+    table = rescore_non_finite(store=rt.store, run_id=run_id, step=step, settings=rt.rewards, table=table)
     a = rt.cfg.algorithm
     samples = build_train_samples(table, a.advantage_estimator, a.normalize_advantages_by_std)
     metrics = rollout_metrics(table)

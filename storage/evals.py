@@ -17,6 +17,7 @@ import json
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.tables import append_idempotent, conform, read_table, table_exists
@@ -69,6 +70,13 @@ def append_eval_samples(store: ObjectStore, rows: list[dict[str, Any]]) -> bool:
     if not rows:
         raise ValueError("append_eval_samples: no rows")
     table = _rows_to_table(rows)
+    bad = pc.invert(pc.is_finite(table.column("reward")))  # the column is not nullable: conform checked that
+    if pc.any(bad).as_py():
+        i = pc.index(bad, True).as_py()
+        raise ValueError(
+            f"eval sample {i}: reward {table.column('reward')[i].as_py()!r} is not a finite number "
+            f"(a failed score is reward 0 with its reason in reward_details)"
+        )
     one = {k: set(table.column(k).to_pylist()) for k in ("run_id", "step", *SETTINGS)}
     mixed = [k for k, v in one.items() if len(v) > 1]
     if mixed:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 from typing import Any, TypedDict
 
 import pyarrow as pa
@@ -253,7 +254,13 @@ def set_rewards(
     step: int,
     rewards: list[tuple[int, int, float, str | None]],
 ) -> int:
-    """Set ``reward`` and ``reward_details`` for ``(group_id, sample_index, reward, details)`` of one step."""
+    """Set ``reward`` and ``reward_details`` for ``(group_id, sample_index, reward, details)`` of one step.
+
+    A reward must be a finite number or None: the reward stage makes a NaN or inf one the sample's failure
+    (tasks/reward/score.py), and this refuses any that gets past it, naming the sample."""
+    for g, i, r, _ in rewards:
+        if r is not None and not math.isfinite(r):
+            raise ValueError(f"set_rewards: non-finite reward {r!r} for {run_id} step {step} (group {g}, sample {i})")
     columns = {
         "reward": pa.array([None if r is None else float(r) for _, _, r, _ in rewards], pa.float64()),
         "reward_details": pa.array([_json_text(d, "reward_details") for _, _, _, d in rewards], pa.string()),
@@ -317,13 +324,22 @@ def compact_steps(store: ObjectStore, run_id: str, done_before: int, block_steps
 
 
 def validate_trajectories(table: pa.Table) -> None:
-    """Checks the schema cannot express: status values, per-token lengths, unique keys (run after conform)."""
+    """Checks the schema cannot express: status values, finite rewards, per-token lengths, unique keys (run after
+    conform)."""
     bad_status = pc.invert(pc.is_in(table.column("status"), value_set=pa.array(STATUSES)))
     if pc.any(bad_status).as_py():
         row = _first(bad_status)
         raise ValueError(
             f"trajectory row {row}{_key(table, row)}: status {table.column('status')[row].as_py()!r}; "
             f"expected one of {list(STATUSES)}"
+        )
+    reward = table.column("reward")
+    bad_reward = pc.fill_null(pc.invert(pc.is_finite(reward)), False)  # null: not scored yet, fine
+    if pc.any(bad_reward).as_py():
+        row = _first(bad_reward)
+        raise ValueError(
+            f"trajectory row {row}{_key(table, row)}: reward {reward[row].as_py()!r} is not a finite number "
+            f"(a failed score is reward 0 with its reason in reward_details)"
         )
     n_resp = pc.list_value_length(table.column("response_token_ids"))
     for name, may_be_empty in (("loss_mask", False), ("rollout_logprobs", True), ("teacher_logprobs", True)):

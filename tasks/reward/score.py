@@ -1,9 +1,11 @@
 """The reward stage, without Prefect: score a step's unscored trajectories and store the rewards.
 
-Only rows whose reward is still null are scored, so a re-run scores nothing twice. A scorer that raises
-or runs past its time limit gives that sample reward 0, with `reward_status` ("error" or "timeout") and a
-message in `reward_details`; the step goes on. A step where every sample fails stops the run instead (an
-unusable reward source must not be trained on as zeros).
+Only rows whose reward is still null are scored, so a re-run scores nothing twice. A scorer that raises,
+runs past its time limit or returns a non-finite number (NaN, inf: from any scorer, built-in, custom, group
+or remote) gives that sample reward 0, with `reward_status` ("error" or "timeout") and a message in
+`reward_details`; the step goes on. A non-finite reward never reaches a table: it would make every later loss
+NaN. A step where every sample fails stops the run instead (an unusable reward source must not be trained on
+as zeros).
 
 Scorers (see scorer_registry.py) take one sample: (response, label, sample) -> float | (float, details) | dict.
 With --group-rm the user's function takes a whole group: (responses, labels, samples) -> list of the same.
@@ -17,6 +19,7 @@ import asyncio
 import concurrent.futures as cf
 import inspect
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,6 +53,15 @@ def as_reward(out, reward_key: str | None) -> tuple[float, dict]:
         reward, details = out
         return float(reward), dict(details or {})
     return float(out), {}
+
+
+def checked_reward(out, reward_key: str | None) -> tuple[float, dict]:
+    """`as_reward`, or the sample's failure when the reward is not a finite number: NaN or inf in a table
+    would be trained on (every loss of the step NaN) and, stored, never scored again."""
+    reward, details = as_reward(out, reward_key)
+    if not math.isfinite(reward):
+        return _failed("error", f"the scorer returned a non-finite reward {reward!r}")
+    return reward, details
 
 
 def _call(fn: Callable, *args):
@@ -91,7 +103,7 @@ def _score(rows: list[dict], s: RewardSettings) -> list[tuple[float, dict]]:
                 results = fut.result(timeout=s.timeout_s)
                 if len(results) != len(idx):
                     raise ValueError(f"group scorer returned {len(results)} rewards for {len(idx)} samples")
-                scored = [as_reward(x, s.reward_key) for x in results]
+                scored = [checked_reward(x, s.reward_key) for x in results]
             except cf.TimeoutError:
                 scored = [_failed("timeout", f"group scorer took longer than {s.timeout_s}s")] * len(idx)
             except Exception as e:  # a user's scorer must not stop the run
@@ -103,12 +115,31 @@ def _score(rows: list[dict], s: RewardSettings) -> list[tuple[float, dict]]:
     out = []
     for fut in futures:
         try:
-            out.append(as_reward(fut.result(timeout=s.timeout_s), s.reward_key))
+            out.append(checked_reward(fut.result(timeout=s.timeout_s), s.reward_key))
         except cf.TimeoutError:
             out.append(_failed("timeout", f"scorer took longer than {s.timeout_s}s"))
         except Exception as e:
             out.append(_failed("error", f"{type(e).__name__}: {e}"))
     return out
+
+
+def has_reward(row: dict) -> bool:
+    """The row holds a stored reward. A NaN or inf one (stored by a build before rewards were checked) counts as
+    none, so the sample is scored again: re-scoring, rather than marking it failed, gives the real reward once
+    the scorer is fixed, and a scorer still returning NaN now makes it that sample's failure (reward 0 with its
+    reason). Either way the step can be trained, so a run stopped by such a row resumes (flows/rl.py)."""
+    return row["reward"] is not None and math.isfinite(row["reward"])
+
+
+def _usable(row: dict) -> bool:
+    """A stored reward that did not fail: the step's reward source works, whatever a re-scored sample gives."""
+    if not has_reward(row):
+        return False
+    try:
+        details = json.loads(row.get("reward_details") or "{}")
+    except ValueError:
+        return True  # not ours: a reward stored with free text beside it
+    return not (isinstance(details, dict) and "reward_status" in details)
 
 
 @dataclass
@@ -122,10 +153,10 @@ class RewardResult:
 def score_step(*, store, run_id: str, step: int, settings: RewardSettings) -> RewardResult:
     rows = read_trajectories(store, run_id, step).to_pylist()
     # Aborted rows are unfinished partials: they are scored in the step that completes them.
-    pending = [r for r in rows if r["reward"] is None and is_finished(r)]
+    pending = [r for r in rows if not has_reward(r) and is_finished(r)]
     results = score_rows(pending, settings)
     failed = [details for _, details in results if "reward_status" in details]
-    if failed and len(failed) == len(pending):
+    if failed and len(failed) == len(pending) and not any(_usable(r) for r in rows):
         # Every sample failed (a reward model answering 401, a scorer that always raises): storing zeros would
         # train on them, and a resume would trust them. Nothing is stored; a resume scores the step again.
         raise Fault(
@@ -141,3 +172,13 @@ def score_step(*, store, run_id: str, step: int, settings: RewardSettings) -> Re
         set_rewards(store, run_id, step, updates)
     errors = sum("reward_status" in details for _, details in results)
     return RewardResult(step, len(updates), len(rows) - len(pending), errors)
+
+
+def rescore_non_finite(*, store, run_id: str, step: int, settings: RewardSettings, table):
+    """The step's rows, after scoring again any sample whose stored reward is NaN or inf (a build before rewards
+    were checked stored them; the reward stage's ledger says the step is scored, so the train stage asks)."""
+    rewards = table.column("reward").to_pylist()
+    if all(r is None or math.isfinite(r) for r in rewards):
+        return table
+    score_step(store=store, run_id=run_id, step=step, settings=settings)
+    return read_trajectories(store, run_id, step)

@@ -38,6 +38,7 @@ class MicroBatch:
     position_ids: torch.Tensor | None = None  # [rows, s] RoPE positions, laid-out rows only
     targets: torch.Tensor | None = None  # [n, w-1] the token at t+1 of each sample, laid-out rows only
     teacher_logp: torch.Tensor | None = None  # [n, w-1] OPD's stored teacher log-probs, when every sample has them
+    names: list[str] | None = None  # per sample, " (group G, sample I)" or "": to name one in an error
 
     def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(**{k: t.to(device) if isinstance(t, torch.Tensor) else t for k, t in vars(self).items()})
@@ -61,6 +62,7 @@ def collate(samples: list[TrainSample], pad_id: int, rows: list[list[int]] | Non
     adv = torch.zeros((n, w - 1))
     rlp = torch.zeros((n, w - 1))
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    names = [s.name for s in samples]
     for i, s in enumerate(samples):
         p, r = len(s.prompt_token_ids), len(s.response_token_ids)
         # logprob index t predicts token t+1: response token j sits at p+j, predicted at p+j-1.
@@ -78,7 +80,7 @@ def collate(samples: list[TrainSample], pad_id: int, rows: list[list[int]] | Non
         ids = torch.full((n, w), pad_id, dtype=torch.long)
         for i, s in enumerate(samples):
             ids[i, : lengths[i]] = torch.tensor(s.prompt_token_ids + s.response_token_ids)
-        return MicroBatch(ids, mask, adv, rlp, rewards=rewards, teacher_logp=teacher)
+        return MicroBatch(ids, mask, adv, rlp, rewards=rewards, teacher_logp=teacher, names=names)
     layouts = [_lay_out_row([samples[i] for i in row]) for row in rows]
     width = max(len(tokens) for tokens, *_ in layouts)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -96,7 +98,7 @@ def collate(samples: list[TrainSample], pad_id: int, rows: list[list[int]] | Non
             sample = samples[i]
             targets[i, : lengths[i] - 1] = torch.tensor((sample.prompt_token_ids + sample.response_token_ids)[1:])
     return MicroBatch(ids, mask, adv, rlp, packed_attention_mask(segments, members), unpack, rewards,
-                       position_ids=positions, targets=targets, teacher_logp=teacher)  # fmt: skip
+                       position_ids=positions, targets=targets, teacher_logp=teacher, names=names)  # fmt: skip
 
 
 def _lay_out_row(samples: list[TrainSample]):

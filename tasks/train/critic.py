@@ -34,6 +34,7 @@ from sluiceway.tasks.train.advantages import (
     terminal_rewards,
     whitening_scale,
 )
+from sluiceway.tasks.train.batch import NonFiniteTraining
 from sluiceway.tasks.train.losses import kl_penalty, value_objective
 from sluiceway.tasks.train.optim import adamw, step_master_weights
 from sluiceway.tasks.train.parallel import is_tensor_parallel, reduce_step_metrics
@@ -230,8 +231,11 @@ class Critic:
         """Per-token values in the micro-batch's per-sample layout [n, w-1], fp32 (differentiable)."""
         return mb.per_sample(token_values(self.model, mb.input_ids, mb.attention_mask, mb.position_ids))
 
-    def train_step(self, batches: list[MicroBatch], targets: list[ValueTargets], n_tokens: float) -> dict[str, float]:
-        """One optimizer step of the clipped value loss (token mean over the step's trained tokens, all ranks)."""
+    def train_step(
+        self, batches: list[MicroBatch], targets: list[ValueTargets], n_tokens: float, step: int | None = None
+    ) -> dict[str, float]:
+        """One optimizer step of the clipped value loss (token mean over the step's trained tokens, all ranks);
+        a NaN or inf loss or gradient norm is refused before it (`NonFiniteTraining`, naming rollout `step`)."""
         self.model.train()
         sums = {"value_loss": 0.0, "value_clipfrac": 0.0}
         for mb, tg in zip(batches, targets):
@@ -241,17 +245,28 @@ class Critic:
             for k, v in stats.items():
                 sums[k] += v
         sums = reduce_step_metrics(sums)
+        self._refuse_non_finite("value loss", sums["value_loss"], step)  # reduced: every rank refuses together
         sums["critic_lr"] = self.optimizer.param_groups[0]["lr"]
-        sums["critic_grad_norm"] = float(self.step())
-        if not math.isfinite(sums["value_loss"]):
-            raise FloatingPointError(f"non-finite value loss {sums['value_loss']}")
+        sums["critic_grad_norm"] = float(self.step(step))
         return sums
 
-    def step(self) -> torch.Tensor:
+    def _refuse_non_finite(self, what: str, value: float, step: int | None) -> None:
+        value = float(value)
+        if math.isfinite(value):
+            return
+        self.model.zero_grad(set_to_none=True)
+        at = "" if step is None else f" at step {step}"
+        raise NonFiniteTraining(
+            f"train: non-finite critic {what} {value!r}{at}; refused before the optimizer step, so no NaN reaches "
+            f"the weights. Fix its cause, then `sluiceway resume` trains the step again"
+        )
+
+    def step(self, rollout_step: int | None = None) -> torch.Tensor:
         """Reduce gradients over DP, clip (TP-aware norm), AdamW on the masters, copy back; returns the grad norm."""
         allreduce_gradients(self.model)
+        check = lambda norm: self._refuse_non_finite("gradient norm", norm, rollout_step)  # noqa: E731
         if self.zero is not None:
-            return self.zero.step(self.scheduler, self.tp_flags, self.training.clip_grad)
+            return self.zero.step(self.scheduler, self.tp_flags, self.training.clip_grad, check)
         return step_master_weights(
             self.model,
             self.master,
@@ -260,6 +275,7 @@ class Critic:
             self.tp_flags,
             self.training.clip_grad,
             self.mixed_precision,
+            check,
         )
 
     def state_dict(self) -> dict[str, Any]:

@@ -6,6 +6,8 @@ their values back (megatron's mixed-precision scheme); in fp32 the masters are t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from sluiceway.flows.config import TrainingConfig
@@ -32,14 +34,24 @@ def step_master_weights(
     tp_flags: list[bool],
     clip_grad: float,
     mixed_precision: bool,
+    check: Callable[[torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
-    """Clip by the full model's gradient norm (TP-aware), step AdamW and the LR schedule; returns the norm."""
+    """Clip by the full model's gradient norm (TP-aware), step AdamW and the LR schedule; returns the norm.
+
+    `check(norm)` runs before anything is stepped; if it raises, the gradients are dropped and nothing changes."""
     model_params = [p for _, p in model.named_parameters()]
     if mixed_precision:
         for p, m in zip(model_params, master):
             m.grad = None if p.grad is None else p.grad.float()
             p.grad = None
     total_norm = grad_norm(master, tp_flags)
+    if check is not None:
+        try:
+            check(total_norm)
+        except BaseException:
+            optimizer.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
+            raise
     if clip_grad > 0:
         with_grad = [m for m in master if m.grad is not None]
         torch.nn.utils.clip_grads_with_norm_(with_grad, clip_grad, total_norm)

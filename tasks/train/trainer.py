@@ -42,7 +42,7 @@ from sluiceway.models.megatron_gpt import (  # megatron.core through here: it si
 from sluiceway.models.zoo import load_hf_state_dict
 from sluiceway.tasks.sync.disk import write_adapter_version, write_weight_version
 from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS
-from sluiceway.tasks.train.batch import TrainSample
+from sluiceway.tasks.train.batch import NonFiniteTraining, TrainSample, check_samples
 from sluiceway.tasks.train.checkpoint import load_checkpoint, save_checkpoint
 from sluiceway.tasks.train.collation import MicroBatch, OptimizerStep, collate, plan_optimizer_steps
 from sluiceway.tasks.train.critic import Critic, needs_reference, token_advantages
@@ -55,6 +55,30 @@ from sluiceway.tasks.train.parallel import gather_tensor_parallel, is_tensor_par
 from sluiceway.tasks.train.zero import ShardedAdamW, state_bytes
 
 log = logging.getLogger("sluiceway")
+
+
+def non_finite_samples(mb: MicroBatch, tensors: dict[str, torch.Tensor | None]) -> list[str]:
+    """Of a micro-batch whose loss is not finite, each sample with a NaN or inf among its per-token `tensors`
+    ([n, w-1] each; the first such tensor named), as "(group G, sample I): its NAME is V"."""
+    found: dict[int, str] = {}
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        bad = ~torch.isfinite(t.detach())
+        for i in bad.any(dim=1).nonzero().flatten().tolist():
+            if i not in found:
+                who = (mb.names[i] if mb.names else "") or f" (row {i} of a micro-batch)"
+                found[i] = f"{who.strip()}: its {name} is {float(t.detach()[i][bad[i]][0])!r}"
+    return [found[i] for i in sorted(found)]
+
+
+def blame(bad: list[str], n_samples: int) -> str:
+    """What the error says of the samples: the one to blame, or that every sample (the model) is."""
+    if not bad:
+        return ""
+    if len(bad) == n_samples and n_samples > 1:
+        return f" in every sample, e.g. {bad[0]}"
+    return f" from sample {bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
 
 
 class PolicyTrainer:
@@ -162,6 +186,7 @@ class PolicyTrainer:
         """
         if not samples:
             return {"skipped": 1.0}
+        check_samples(samples, step)  # a NaN or inf input is refused here, naming its sample
         t0 = time.perf_counter()
         adv = torch.tensor([s_.advantage for s_ in samples])
         steps = self._plan(samples, step)
@@ -181,9 +206,10 @@ class PolicyTrainer:
         train_policy = self.critic is None or not self.critic.warming_up
         metrics: dict[str, list[float]] = {}
         for st, old, tg in zip(steps, old_logps, targets or [None] * len(steps)):
-            m = self._optimizer_step(st, old) if train_policy else {"tokens": st.n_tokens, "logprob_mismatch_max": 0.0}
+            idle = {"tokens": st.n_tokens, "logprob_mismatch_max": 0.0}  # the critic warms up alone
+            m = self._optimizer_step(st, old, step) if train_policy else idle
             if self.critic is not None:
-                m |= self.critic.train_step(st.batches, tg, st.n_tokens)
+                m |= self.critic.train_step(st.batches, tg, st.n_tokens, step)
             for k, v in m.items():
                 metrics.setdefault(k, []).append(v)
         if self.critic is not None:
@@ -207,6 +233,7 @@ class PolicyTrainer:
         keys = ("loss", "pg_loss", "kl", "entropy", "clipfrac", "ratio", "logprob_mismatch", "logprob_mismatch_max",
                 "mismatch_kl", "tis_weight_mean", "tis_clipfrac", "tis_masked_frac", "tis_masked_seq_frac")  # fmt: skip
         sums = dict.fromkeys(keys, 0.0)
+        bad: list[str] = []  # this rank's samples whose numbers made the loss NaN or inf, for the error
         for i, mb in enumerate(st.batches):
             logp, entropy = self._logprobs(self.model, mb)
             old = old_logps[i] if old_logps is not None else logp.detach()
@@ -220,9 +247,13 @@ class PolicyTrainer:
                 ref_logp=ref_logp, n_tokens=st.n_tokens, n_seqs=st.n_seqs,
                 max_response_len=float(self.max_response_len or st.longest),
             )  # fmt: skip
+            if not math.isfinite(stats["loss"]):
+                bad += non_finite_samples(mb, {"policy log-prob": logp, "entropy": entropy, "old log-prob": old,
+                                               "reference log-prob": ref_logp, "advantage": advantages})  # fmt: skip
             loss.backward()
             for k, v in stats.items():
                 sums[k] = max(sums[k], v) if k == "logprob_mismatch_max" else sums.get(k, 0.0) + v  # + tis_<name>
+        self._blame = blame(bad, sum(mb.advantages.size(0) for mb in st.batches))
         # Each DP rank holds shares of global sums; TP ranks of one DP rank computed the same values.
         return reduce_step_metrics(sums, max_keys=("logprob_mismatch_max",))
 
@@ -242,15 +273,29 @@ class PolicyTrainer:
         with self.lora.disabled():
             return self._logprobs(self.model, mb)[0]
 
-    def _optimizer_step(self, st: OptimizerStep, old_logps: list[torch.Tensor] | None) -> dict[str, float]:
+    def _optimizer_step(self, st: OptimizerStep, old_logps: list[torch.Tensor] | None, step: int) -> dict[str, float]:
         sums = self._accumulate(st, old_logps)
+        # The loss is reduced over every rank, so all of them refuse together (no collective is left waiting).
+        self._refuse_non_finite("loss", sums["loss"], step, self._blame)
         sums["lr"] = self.optimizer.param_groups[0]["lr"]
         allreduce_gradients(self.trainable)
-        sums["grad_norm"] = float(self._step_master_weights())
+        sums["grad_norm"] = float(self._step_master_weights(step))
         sums["tokens"] = st.n_tokens
-        if not math.isfinite(sums["loss"]):
-            raise FloatingPointError(f"non-finite loss {sums['loss']} at weight version {self.weight_version}")
         return sums
+
+    def _refuse_non_finite(self, what: str, value: float, step: int, culprit: str = "") -> None:
+        """Stop before the optimizer step when `value` (the step's loss or gradient norm) is NaN or inf: the
+        gradients are dropped, the weights and optimizer are as before the step, and the one-line error names
+        the step and, where one sample's numbers are to blame, that sample."""
+        value = float(value)
+        if math.isfinite(value):
+            return
+        self.trainable.zero_grad(set_to_none=True)
+        raise NonFiniteTraining(
+            f"train: non-finite {what} {value!r} at step {step} (weight version {self.weight_version}){culprit}; "
+            f"refused before the optimizer step, so no NaN reaches the weights. Fix its cause, then `sluiceway "
+            f"resume` trains the step again"
+        )
 
     def gradients(self, samples: list[TrainSample], step: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         """Metrics and full-model gradients (HF names; with LoRA the adapters' in peft's) of the first optimizer step
@@ -270,10 +315,11 @@ class PolicyTrainer:
         full = merge_tp_shards(gather_tensor_parallel(grads), self.hf_config)
         return sums, megatron_to_hf(full, self.hf_config, include_tied_lm_head=False)
 
-    def _step_master_weights(self) -> torch.Tensor:
+    def _step_master_weights(self, step: int) -> torch.Tensor:
         t = self.training
+        check = lambda norm: self._refuse_non_finite("gradient norm", norm, step)  # noqa: E731
         if self.zero is not None:
-            return self.zero.step(self.scheduler, self.tp_flags, t.clip_grad)
+            return self.zero.step(self.scheduler, self.tp_flags, t.clip_grad, check)
         return step_master_weights(
             self.trainable,
             self.master,
@@ -282,6 +328,7 @@ class PolicyTrainer:
             self.tp_flags,
             t.clip_grad,
             self.mixed_precision,
+            check,
         )
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
@@ -370,11 +417,10 @@ class PolicyTrainer:
             sums["loss"] += stats["loss"]
             sums["entropy"] += stats["entropy"]
         sums = reduce_step_metrics(sums)
-        if not math.isfinite(sums["loss"]):
-            raise FloatingPointError(f"non-finite SFT loss {sums['loss']} at step {step}")
+        self._refuse_non_finite("SFT loss", sums["loss"], step)
         sums["lr"] = self.optimizer.param_groups[0]["lr"]
         allreduce_gradients(self.trainable)
-        sums["grad_norm"] = float(self._step_master_weights())
+        sums["grad_norm"] = float(self._step_master_weights(step))
         self.weight_version += 1
         sums["tokens"] = n_tokens
         sums["tokens_per_s"] = n_tokens / (time.perf_counter() - t0)

@@ -29,6 +29,7 @@ trainer keeps its GPTModel unwrapped, on CPU too.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -111,10 +112,24 @@ class ShardedAdamW:
         dist.gather(shard, parts, dst=dist.get_global_rank(self.group, 0), group=self.group)
         return None if parts is None else torch.cat(parts)
 
-    def step(self, scheduler: torch.optim.lr_scheduler.LRScheduler, tp_flags: list[bool], clip_grad: float):
+    def step(
+        self,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        tp_flags: list[bool],
+        clip_grad: float,
+        check: Callable[[torch.Tensor], None] | None = None,
+    ):
         """Clip by the full model's gradient norm, step AdamW on this shard and the LR schedule, all-gather the new
-        weights into every rank's model; returns the norm. Call after the gradients are all-reduced over DP."""
+        weights into every rank's model; returns the norm. Call after the gradients are all-reduced over DP.
+        `check(norm)` runs before anything is stepped; if it raises, the gradients are dropped and nothing changes."""
         total_norm = grad_norm(self.params, tp_flags)
+        if check is not None:
+            try:
+                check(total_norm)
+            except BaseException:
+                for p in self.params:
+                    p.grad = None
+                raise
         self.master.grad = self.slice([p.grad for p in self.params])
         for p in self.params:
             p.grad = None

@@ -7,6 +7,7 @@ state) is compared tensor by tensor.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -199,6 +200,60 @@ def test_an_unusable_reward_source_stops_the_run_and_resume_scores_again(tmp_pat
     resumed = cli(["resume", str(run_dir)], cache, env)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert read_trajectories(store, "run").column("reward").null_count == 0
+
+
+NAN_SCORER = """
+def vowel_share_but_one_nan(response, label, sample):
+    if (sample["step"], sample["group_id"], sample["sample_index"]) == (1, 0, 1):
+        return float("nan")
+    letters = [ch for ch in response.lower() if ch.isalpha()]
+    return sum(ch in "aeiou" for ch in letters) / len(letters) if letters else 0.0
+"""
+
+
+def test_a_nan_reward_fails_its_sample_and_the_run_goes_on(tmp_path, cache):
+    """A scorer returning NaN for one sample of step 1: that sample is stored failed (reward 0 with its reason), as
+    a scorer that raises; no NaN reaches a table or the weights, and the run finishes (once it stopped at step 1
+    with `non-finite loss nan`, and every resume the same way)."""
+    scorer = tmp_path / "nan_scorer.py"
+    scorer.write_text(NAN_SCORER)
+    run_dir = tmp_path / "run"
+    args = run_args(run_dir)
+    args[args.index(SCORER)] = f"{scorer}:vowel_share_but_one_nan"
+    done = cli(args, cache)
+    assert done.returncode == 0, done.stdout + done.stderr
+    store = ObjectStore.from_uri(str(run_dir / "tables"))
+    rows = read_trajectories(store, "run").to_pylist()
+    assert len(rows) >= STEPS * BATCH * N and all(r["reward"] == r["reward"] for r in rows)  # stored, no NaN
+    (failed,) = [r for r in rows if "reward_status" in (r["reward_details"] or "")]
+    assert (failed["step"], failed["group_id"], failed["sample_index"], failed["reward"]) == (1, 0, 1, 0.0)
+    assert json.loads(failed["reward_details"]) == {
+        "reward_status": "error", "message": "the scorer returned a non-finite reward nan"
+    }
+    losses = metrics_frame(store, "run")["train/loss"].tolist()
+    assert len(losses) == STEPS and all(v == v for v in losses)  # every step trained, its loss finite
+    assert checkpoint_step(run_dir) == STEPS - 1
+
+
+def test_a_nan_reward_stored_by_an_older_build_is_scored_again_on_resume(tmp_path, cache):
+    """A table from before the reward check holds a NaN reward in a step still to train: a resume scores that
+    sample again (the ledger says the step is scored) and trains, instead of failing with `non-finite loss`."""
+    import pyarrow as pa
+
+    from sluiceway.storage.trajectories import update_samples
+
+    run_dir = tmp_path / "run"
+    first = cli(run_args(run_dir, "--num-rollout", "2"), cache)
+    assert first.returncode == 0, first.stdout + first.stderr
+    store = ObjectStore.from_uri(str(run_dir / "tables"))
+    # What an older build stored (the writer refuses it now, so past it), then the checkpoint moved away:
+    # the resume trains steps 0 and 1 again from the stored trajectories, as after a failed step 1.
+    update_samples(store, "run", 1, [(2, 3)], {"reward": pa.array([float("nan")], pa.float64())}, "older build")
+    shutil.move(run_dir / "checkpoints" / "latest", tmp_path / "moved")
+    resumed = cli(["resume", str(run_dir)], cache)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    rewards = read_trajectories(store, "run", 1).column("reward").to_pylist()
+    assert all(r == r for r in rewards) and checkpoint_step(run_dir) == 1
 
 
 def _delete_earlier_parquet(run_dir: Path) -> None:

@@ -120,6 +120,15 @@ def _samples(run_id="r", step=2, temperature=0.0, prompts=2, n=2, answer="seven"
     ]
 
 
+def test_a_non_finite_eval_reward_is_never_written(tmp_path):
+    store = ObjectStore.from_uri(str(tmp_path / "tables"))
+    samples = _samples()
+    samples[3]["reward"] = float("nan")  # the scorers' NaN is a failure (reward 0) before it gets here
+    with pytest.raises(ValueError, match="eval sample 3: reward nan is not a finite number"):
+        append_eval_samples(store, samples)
+    assert read_evals(store, "r").num_rows == 0
+
+
 def test_eval_samples_are_written_once_per_evaluation(tmp_path):
     store = ObjectStore.from_uri(str(tmp_path / "tables"))
     assert append_eval_samples(store, _samples()) is True

@@ -115,6 +115,72 @@ def test_scorer_errors_and_timeouts_mark_the_sample(tmp_path):
     assert missing_key[0][1]["reward_status"] == "error" and "--reward-key" in missing_key[0][1]["message"]
 
 
+@pytest.mark.parametrize(
+    "out, shown",
+    [
+        (float("nan"), "nan"),
+        (float("inf"), "inf"),
+        ((float("-inf"), {"why": "log 0"}), "-inf"),
+        ({"acc": float("nan")}, "nan"),
+        ("nan", "nan"),  # float("nan") of the scorer's text
+    ],
+)
+def test_a_non_finite_reward_is_the_samples_failure(out, shown):
+    """NaN or inf from a scorer is that sample's failure with its reason, as a scorer that raises: never a reward."""
+    rows = [{"group_id": 0, "sample_index": i, "response_text": t, "label": "1"} for i, t in enumerate(["ok", "bad"])]
+    scorer = lambda response, label, sample: out if response == "bad" else {"acc": 1.0}  # noqa: E731
+    got = score_rows(rows, RewardSettings(scorer, reward_key="acc"))
+    assert got[0] == (1.0, {})
+    assert got[1] == (0.0, {"reward_status": "error", "message": f"the scorer returned a non-finite reward {shown}"})
+    group = score_rows(rows, RewardSettings(lambda rs, ls, ss: [1.0, out], reward_key="acc", group_rm=True))
+    assert group[0] == (1.0, {}) and group[1][1]["reward_status"] == "error"  # its group's other samples count
+
+
+def test_a_nan_scorer_fails_one_sample_and_the_step_goes_on(tmp_path):
+    store = ObjectStore.from_uri(str(tmp_path / "tables"))
+    append_trajectories(store, [row(g, i, None) for g in range(2) for i in range(2)], app_id="f/0")
+
+    def scorer(response, label, sample):
+        return float("nan") if (sample["group_id"], sample["sample_index"]) == (1, 0) else 0.5
+
+    res = score_step(store=store, run_id="f", step=0, settings=RewardSettings(scorer))
+    assert (res.scored, res.errors) == (4, 1)
+    stored = {(r["group_id"], r["sample_index"]): r for r in read_trajectories(store, "f", 0).to_pylist()}
+    assert [stored[k]["reward"] for k in sorted(stored)] == [0.5, 0.5, 0.0, 0.5]
+    assert json.loads(stored[(1, 0)]["reward_details"]) == {
+        "reward_status": "error", "message": "the scorer returned a non-finite reward nan"
+    }
+
+
+def _with_stored_nan(tmp_path):
+    """A step as a build before the reward check left it: sample (1, 0) holds reward NaN, the rest are scored."""
+    from sluiceway.storage.tables import append_idempotent, conform
+    from sluiceway.storage.trajectories import PARTITION_BY, TRAJECTORIES, TRAJECTORY_SCHEMA, _rows_to_table
+
+    store = ObjectStore.from_uri(str(tmp_path / "tables"))
+    rows = [row(g, i, float("nan") if (g, i) == (1, 0) else 0.5) for g in range(2) for i in range(2)]
+    table = conform(_rows_to_table(rows), TRAJECTORY_SCHEMA, what="trajectory")  # past the writer's check
+    append_idempotent(store, TRAJECTORIES, table, app_id="f/0", partition_by=PARTITION_BY)
+    return store
+
+
+@pytest.mark.parametrize("fixed", [True, False])
+def test_a_stored_nan_reward_is_scored_again(tmp_path, fixed):
+    """A NaN reward an older build stored counts as unscored: a fixed scorer gives the real reward; one still
+    returning NaN makes it the sample's failure. Either way the step trains (no NaN, no all-failed stop)."""
+    from sluiceway.tasks.reward.score import rescore_non_finite
+    from sluiceway.tasks.train.batch import build_train_samples
+
+    store = _with_stored_nan(tmp_path)
+    scorer = lambda response, label, sample: 0.25 if fixed else float("nan")  # noqa: E731
+    table = rescore_non_finite(
+        store=store, run_id="f", step=0, settings=RewardSettings(scorer), table=read_trajectories(store, "f", 0)
+    )
+    assert table["reward"].to_pylist() == [0.5, 0.5, 0.25 if fixed else 0.0, 0.5]  # only (1, 0) scored again
+    samples = build_train_samples(table, "grpo", True)
+    assert all(s.advantage == s.advantage for s in samples)
+
+
 def test_group_scorer_and_step_scoring_is_idempotent(batch):
     def rank_in_group(responses, labels, samples):
         return [float(i == 0) for i in range(len(responses))]

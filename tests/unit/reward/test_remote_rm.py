@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import threading
@@ -11,16 +12,18 @@ import time
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from sluiceway.tasks.reward.remote import RemoteRewardModel
+from sluiceway.tasks.reward.score import RewardSettings, score_rows
+from sluiceway.tasks.reward.scorer_registry import remote_group_scorer
 
 SECRET = "sk-test-SUPERSECRET-1234567890"
 
 
 class Server:
     def __init__(self):
-        self.mode = "ok"  # ok | slow | fail | echo_key | bare
+        self.mode = "ok"  # ok | slow | fail | echo_key | bare | nan
         self.fail_next = 0  # this many 500s, then healthy
         self.batches: list[int] = []
         self.auth: list[str | None] = []
@@ -42,6 +45,8 @@ class Server:
             if self.mode == "echo_key":  # a careless server that echoes the credentials back
                 return JSONResponse({"detail": f"bad auth {request.headers.get('authorization')}"}, status_code=503)
             rewards = [float(len(it["response"])) for it in items]
+            if self.mode == "nan":  # the first item's reward NaN: JSON as Python writes it, which httpx reads back
+                return Response(json.dumps({"rewards": [float("nan"), *rewards[1:]]}), media_type="application/json")
             return rewards if self.mode == "bare" else {"rewards": rewards}
 
         with socket.socket() as s:
@@ -142,3 +147,11 @@ def test_scorer_call_raises_scrubbed_error_when_down(server):
     server.stop()
     with pytest.raises(RuntimeError, match="connection error"):
         rm("abc", None, {"prompt": "q"})
+
+
+def test_a_nan_reward_from_the_server_is_that_samples_failure(server):
+    server.mode = "nan"
+    rows = [{"group_id": 0, "sample_index": i, "response_text": "x" * i, "label": None} for i in range(3)]
+    out = score_rows(rows, RewardSettings(remote_group_scorer(server.url, None, 5.0), timeout_s=20, group_rm=True))
+    assert out[0] == (0.0, {"reward_status": "error", "message": "the scorer returned a non-finite reward nan"})
+    assert [r for r, _ in out[1:]] == [1.0, 2.0]  # the rest of the group is scored as usual

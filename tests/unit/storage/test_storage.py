@@ -303,6 +303,8 @@ def test_trajectory_roundtrip(store):
         ({"response_token_ids": [1, "a"]}, "field 'response_token_ids'"),
         ({"engine": None}, "'engine' is null"),
         ({"typo_field": 1}, "unknown fields ['typo_field']"),
+        ({"reward": float("nan")}, "reward nan is not a finite number"),
+        ({"reward": float("-inf")}, "reward -inf is not a finite number"),
     ],
 )
 def test_trajectory_rows_are_validated(change, words, tmp_path):
@@ -343,6 +345,10 @@ def test_set_rewards(store):
     assert read_trajectories(store, "run-a", 0)["reward"].to_pylist() == [1.0, 0.0, -1.0, 0.5]
     with pytest.raises(ValueError, match="not stored"):
         set_rewards(store, "run-a", 0, [(9, 0, 1.0, None)])
+    for bad in (float("nan"), float("inf")):  # never written: the reward stage makes it the sample's failure
+        with pytest.raises(ValueError, match=rf"non-finite reward {bad!r} for run-a step 0 \(group 1, sample 0\)"):
+            set_rewards(store, "run-a", 0, [(0, 0, 1.0, None), (1, 0, bad, None)])
+    assert read_trajectories(store, "run-a", 0)["reward"].to_pylist() == [1.0, 0.0, -1.0, 0.5]
 
 
 def test_trajectory_table_readable_with_polars_and_pandas(store):
