@@ -536,12 +536,30 @@ class SyncConfig(_Group):
 
 
 class DurabilityConfig(_Group):
-    stage_retries: int = Field(
-        3, ge=0, description="Retries of a stage that failed for a transient reason (engine, HTTP, S3, commit race)."
+    stage_retries: int | None = Field(
+        None,
+        ge=0,
+        description="Retries of a stage that failed for a transient reason (engine, HTTP, S3, commit race); default: "
+        "as many as fit in retry_budget_s.",
     )
     retry_backoff_s: float = Field(
-        2.0, ge=0.0, description="First retry delay; each further retry waits twice as long (exponential backoff)."
+        2.0,
+        ge=0.0,
+        description="First retry delay; each further retry waits twice as long (exponential backoff), at most 30 s.",
     )
+    retry_budget_s: float = Field(
+        90.0,
+        ge=0.0,
+        description="How long a stage keeps retrying a transient failure when stage_retries is not given: the "
+        "retry delays add up to at least this, so an object store or engine down for this long is ridden out (keep it "
+        "under the run lease's 150 s, storage/run_lock.py, which a run that cannot reach its store loses).",
+    )
+
+    def retry_delays(self) -> list[float]:
+        """The waits before each retry (flows/retry.py `retry_delays`)."""
+        from sluiceway.flows.retry import retry_delays
+
+        return retry_delays(self.retry_backoff_s, self.stage_retries, self.retry_budget_s)
 
 
 class EvalConfig(_Group):

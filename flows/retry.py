@@ -59,17 +59,33 @@ def retry_transient(task, task_run, state) -> bool:
     return isinstance(exc, BaseException) and is_transient(exc)
 
 
-def call_retrying(fn: Callable[..., T], *args, retries: int, backoff_s: float, what: str) -> T:
+MAX_RETRY_DELAY_S = 30.0  # doubling stops here: an outage's end is noticed within this long
+
+
+def retry_delays(backoff_s: float, retries: int | None, budget_s: float) -> list[float]:
+    """backoff_s, 2 x backoff_s, ... (each at most MAX_RETRY_DELAY_S, or backoff_s if larger): `retries` of them,
+    or, when retries is None, as many as it takes for the waits to add up to `budget_s` (issue 30: three retries
+    of 2 + 4 + 8 s gave up on an object store down for 30 s). A zero backoff retries at once, `retries` times or
+    not at all."""
+    cap = max(MAX_RETRY_DELAY_S, backoff_s)
+    delays: list[float] = []
+    while (len(delays) < retries) if retries is not None else (sum(delays) < budget_s and backoff_s > 0):
+        delays.append(min(backoff_s * 2 ** len(delays), cap))
+    return delays
+
+
+def call_retrying(fn: Callable[..., T], *args, delays: list[float], what: str) -> T:
     """`fn(*args)` with the stages' retry policy, for the writes a flow makes outside a task (a step's metrics):
-    a transient failure is retried after backoff_s, 2 x backoff_s, ...; anything else raises at once."""
-    for attempt in range(retries + 1):
+    a transient failure is retried after each of `delays`; anything else raises at once. One warning line for
+    the first retry of the call; the later ones go to the run's log file only (flows/run.py)."""
+    for attempt in range(len(delays) + 1):
         try:
             return fn(*args)
         except Exception as e:
-            if attempt == retries or not is_transient(e):
+            if attempt == len(delays) or not is_transient(e):
                 raise
-            delay = backoff_s * 2**attempt
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            log.warning("%s failed (%s); retry %d of %d in %.0f s", what, first, attempt + 1, retries, delay)
-            time.sleep(delay)
+            level = logging.WARNING if attempt == 0 else logging.DEBUG
+            log.log(level, "%s failed (%s); retrying for up to %.0f s", what, first, sum(delays[attempt:]))
+            time.sleep(delays[attempt])
     raise AssertionError("unreachable")

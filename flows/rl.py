@@ -256,8 +256,8 @@ class _Stages:
     def __init__(self, cfg: RunConfig):
         d = cfg.durability
         retry = dict(
-            retries=d.stage_retries,
-            retry_delay_seconds=[d.retry_backoff_s * 2**i for i in range(d.stage_retries)],
+            retries=len(d.retry_delays()),
+            retry_delay_seconds=d.retry_delays() or 0,
             retry_condition_fn=retry_transient,
         )
         self.cfg = cfg
@@ -366,8 +366,8 @@ def _run_steps(cfg: RunConfig) -> dict:
                 m["opd/teacher_requests"] = 0.0 if tea.get("resumed") else float(tea["requests"])
                 m["opd/teacher_stored"] = float(tea["stored"])
             d = cfg.durability
-            call_retrying(append_metrics, rt.store, cfg.run_id, step, m, "train", retries=d.stage_retries,
-                          backoff_s=d.retry_backoff_s, what=f"storing step {step + 1}'s metrics")  # fmt: skip
+            call_retrying(append_metrics, rt.store, cfg.run_id, step, m, "train", delays=d.retry_delays(),
+                          what=f"storing step {step + 1}'s metrics")  # fmt: skip
             history.append(m)
             loggers.log(step, m)
             arts.progress(step + 1)

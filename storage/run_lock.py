@@ -35,7 +35,9 @@ from sluiceway.storage.object_store import ObjectStore
 log = logging.getLogger("sluiceway")
 
 LOCK_FILE = ".sluiceway.lock"
-LEASE_TTL_S = 60.0
+# Longer than the stages' default retry budget (flows/config.py retry_budget_s, 90 s): a run riding out an object
+# store outage cannot beat meanwhile, and must not lose its lease before its retries give up.
+LEASE_TTL_S = 150.0
 
 
 def _process_start(pid: int) -> str | None:

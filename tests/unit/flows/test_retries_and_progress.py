@@ -60,3 +60,36 @@ def test_progress_line_draws_only_on_a_terminal():
     ProgressLine(pipe).update("rollout step 2", 3, 4)
     ProgressLine(Tty(), enabled=False).update("x", 1, 2)
     assert "[##################......] 3/4" in tty.getvalue() and pipe.getvalue() == ""
+
+
+def test_retry_delays_span_the_budget_and_the_lease_outlives_them():
+    """Issue 30: retries of 2 + 4 + 8 s gave up on an object store down for 30 s. By default the waits double from
+    --retry-backoff-s up to 30 s each until they add up to --retry-budget-s; --stage-retries gives an exact count."""
+    from sluiceway.flows.config import DurabilityConfig
+    from sluiceway.flows.retry import retry_delays
+    from sluiceway.storage.run_lock import LEASE_TTL_S
+
+    assert retry_delays(2.0, None, 90.0) == [2, 4, 8, 16, 30, 30]  # 90 s: a minute-long outage is ridden out
+    assert retry_delays(2.0, 3, 90.0) == [2, 4, 8]
+    assert retry_delays(45.0, None, 60.0) == [45, 45]  # a first delay above the cap is kept, never shortened
+    assert retry_delays(0.0, None, 60.0) == [] and retry_delays(0.0, 2, 60.0) == [0, 0]
+    default = DurabilityConfig().retry_delays()
+    assert sum(default) >= 60 and sum(default) < LEASE_TTL_S  # the run keeps its lease while it retries
+
+
+def test_call_retrying_warns_once_then_logs_quietly(caplog, monkeypatch):
+    from sluiceway.flows import retry
+
+    monkeypatch.setattr(retry.time, "sleep", lambda s: None)
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 4:
+            raise ConnectionError("store down")
+        return "ok"
+
+    with caplog.at_level("DEBUG", logger="sluiceway"):
+        assert retry.call_retrying(flaky, delays=[1, 2, 4, 8], what="storing metrics") == "ok"
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(calls) == 4 and len(warnings) == 1 and "retrying for up to 15 s" in warnings[0].getMessage()
