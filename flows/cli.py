@@ -20,12 +20,23 @@ Every config field is a flag named after it (`rollout_batch_size` -> `--rollout-
 slime's names for the fields slime has. A user mistake prints one line and exits 2, never a traceback.
 """
 
+# ruff: noqa: E402 - the signal handlers are installed before the slow imports below
+
 from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "sluiceway":
+    # The `sluiceway` command: from its first import on, SIGINT and SIGTERM end a run in order (infra/proc.py
+    # `exit_on_signals`), never as a KeyboardInterrupt inside an import or a library's cleanup.
+    from sluiceway.infra.proc import exit_on_signals
+
+    exit_on_signals(sys.argv[1:])
 
 import argparse
 import gc
 import re
-import sys
 import types
 import typing
 from pathlib import Path
@@ -370,12 +381,17 @@ def entry() -> None:
     the process's memory goes back to the system when it ends anyway. Reference counting, finalizers and atexit
     handlers (the embedded Prefect server's stop, logging's flush) work as at any exit.
     """
-    _CONSOLE.append(True)
-    code = main()
-    if code == 1 and _RUN_DIR:  # a fault was printed as one line: what the teardown says goes to the run's log
-        from sluiceway.flows.run import quiet_teardown
+    from sluiceway.infra.proc import hold_if_stopping
 
-        quiet_teardown(_RUN_DIR[0])
+    _CONSOLE.append(True)
+    try:
+        code = main()
+        if code == 1 and _RUN_DIR:  # a fault was printed as one line: what the teardown says goes to the run's log
+            from sluiceway.flows.run import quiet_teardown
+
+            quiet_teardown(_RUN_DIR[0])
+    finally:
+        hold_if_stopping()  # a signal is ending the run: its exit code, not this one (infra/proc.py)
     gc.disable()
     gc.freeze()
     sys.exit(code)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from sluiceway.flows.config import RunConfig
 from sluiceway.infra.prefect_env import configure_prefect, wait_for_api_server
-from sluiceway.infra.proc import register_secret_env
+from sluiceway.infra.proc import note_run_log, register_secret_env
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
@@ -34,6 +34,7 @@ def configure_logging(cfg: RunConfig) -> None:
         if not any(isinstance(f, _NoPrefectFailures) for f in h.filters) and not getattr(h, "run_log", False):
             h.addFilter(_NoPrefectFailures())
     path = run_log_path(cfg)
+    note_run_log(path)  # where a SIGINT or SIGTERM is noted (infra/proc.py)
     ours = [h for h in root.handlers if getattr(h, "run_log", None) == path]
     if ours:
         return

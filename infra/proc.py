@@ -11,11 +11,14 @@ Also the one place that picks free loopback ports for the processes it starts.
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import re
 import signal
 import socket
 import sys
+import threading
+import time
 
 _PR_SET_PDEATHSIG = 1
 LOOPBACK = "127.0.0.1"
@@ -134,3 +137,248 @@ def child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _SECRET_NAMES and not _SECRET_NAME.search(k)}
     env.update(extra)
     return env
+
+
+# --- SIGINT and SIGTERM: a run ends within seconds, whatever it was doing ------------------------------------
+#
+# Raising KeyboardInterrupt wherever the main thread happens to be (Python's default) is not a way to stop a run:
+# inside an import it leaves a half-imported module that fails later with another error (networkx's dispatch
+# registry: `KeyError: 'Algorithm already exists ...'`), inside a lock or a `finally` of Prefect's engine it can
+# hang the exit, and in a C call (gloo, deltalake) it waits for the call. Instead the first signal ends the run
+# the way a SIGKILL would, which every stage already survives (docs/reliability.md), but in order: the terminal
+# gets `interrupted` and nothing after it, every process of the run (engines, router, Prefect's server, the
+# trainer group and their children) is stopped, and the process exits 128 + the signal's number.
+#
+# The work is done by a thread that waits on a pipe: the C-level signal handler writes the signal's number to it
+# at once (signal.set_wakeup_fd), also while the main thread is in a long C call or under Prefect's own SIGTERM
+# handler. The main thread, when it next runs Python code, writes it too and then waits to be ended, so it can
+# neither raise in an import nor reach an exit of its own. The watchdog imports nothing and takes no lock the
+# main thread may hold (no logging, no sys.stderr): it only makes system calls.
+
+RUN_TAG = "SLUICEWAY_RUN_PROCESS"  # in every child's environment: the run's processes, also once re-parented
+FLOW_COMMANDS = ("run", "sft", "replay", "eval", "resume")  # the commands whose signals end them this way
+TERM_GRACE_S = 3.0  # SIGTERM first (Prefect's server closes its database), SIGKILL whatever is left after this
+
+
+class _Stopper:
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.tag = f"{self.pid}-{os.urandom(6).hex()}"
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.write_fd, False)
+        # The terminal as it is now: later, fd 2 may be the run's log (flows/run.py send_native_stderr_to_log).
+        self.terminal_fd = os.dup(2)
+        self.terminal = {_identity(fd) for fd in (1, 2)} - {None}
+        self.devnull = os.open(os.devnull, os.O_WRONLY)
+        self.log_path: str | None = None
+        self.signum = 0
+        self.thread = threading.Thread(target=self._watch, name="sluiceway-signals", daemon=True)
+
+    def _watch(self) -> None:
+        while True:
+            try:
+                data = os.read(self.read_fd, 1)
+            except InterruptedError:
+                continue
+            if data and os.getpid() == self.pid:
+                self._stop(data[0])
+
+    def on_signal(self, signum, frame) -> None:
+        """The Python-level handler (main thread): hand over to the watchdog, then wait to be ended."""
+        try:
+            os.write(self.write_fd, bytes([signum]))
+        except OSError:
+            pass
+        self.hold()
+
+    def hold(self) -> None:
+        while True:
+            time.sleep(3600)
+
+    def _stop(self, signum: int) -> None:
+        self.signum = signum
+        gc.disable()  # no finalizer runs in this thread (it could wait on a lock the main thread holds)
+        self._silence_terminal()
+        name = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}.get(signum, str(signum))
+        _write_all(self.terminal_fd, b"interrupted\n")
+        self._log(f"interrupted by {name}: stopping the run's processes")
+        try:
+            stop_processes(self.tag, TERM_GRACE_S)
+        except BaseException:  # noqa: BLE001 - the exit below must happen whatever went wrong
+            pass
+        self._log(f"interrupted by {name}: exit {128 + signum}")
+        os._exit(128 + signum)
+
+    def _silence_terminal(self) -> None:
+        """Everything written to the terminal from now on goes nowhere: `interrupted` is the last line."""
+        fds = {1, 2}
+        for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+            try:
+                fds.add(stream.fileno())
+            except Exception:  # noqa: BLE001 - closed, replaced or absent
+                pass
+        for fd in fds:
+            if _identity(fd) in self.terminal:
+                try:
+                    os.dup2(self.devnull, fd)
+                except OSError:
+                    pass
+
+    def _log(self, message: str) -> None:
+        if not self.log_path:
+            return
+        now = time.time()
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)) + f",{int(now % 1 * 1000):03d}"
+        line = f"{stamp} sluiceway WARNING {message}\n".encode()
+        try:
+            fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND)
+        except OSError:
+            return
+        try:
+            _write_all(fd, line)
+        finally:
+            os.close(fd)
+
+
+_stopper: list[_Stopper] = []
+
+
+def _identity(fd: int) -> tuple[int, int, int] | None:
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_rdev)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    try:
+        while data:
+            data = data[os.write(fd, data) :]
+    except OSError:
+        pass
+
+
+def exit_on_signals(argv: list[str]) -> None:
+    """For the `sluiceway` command: SIGINT and SIGTERM end the run as described above. Only for the flow commands
+    (`FLOW_COMMANDS`, the first word of `argv`), from the main thread, once; anything else keeps Python's
+    KeyboardInterrupt (the server, engine and pools commands stop their services on it)."""
+    if _stopper or not argv or argv[0] not in FLOW_COMMANDS:
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return
+    stopper = _Stopper()
+    _stopper.append(stopper)
+    os.environ[RUN_TAG] = stopper.tag  # every child started from here on carries it (child_env copies it)
+    stopper.thread.start()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stopper.on_signal)
+    signal.set_wakeup_fd(stopper.write_fd, warn_on_full_buffer=False)
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _forget_in_child() -> None:
+    """A forked child (multiprocessing's fork) is not the run: Python's defaults again, and not our pipe."""
+    if not _stopper or os.getpid() == _stopper[0].pid:
+        return
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except (ValueError, OSError):
+        pass
+    _stopper.clear()
+
+
+def stopping() -> bool:
+    """True once a signal is ending this process (the watchdog is stopping the run's processes)."""
+    return bool(_stopper) and _stopper[0].signum != 0
+
+
+def hold_if_stopping() -> None:
+    """Where the main thread would end the process (flows/cli.py `entry`): not while a signal is ending it, so
+    the exit code is the signal's."""
+    if stopping():
+        _stopper[0].hold()
+
+
+def note_run_log(path: str | os.PathLike) -> None:
+    """The run's log file: the watchdog appends a line there saying the run was interrupted."""
+    if _stopper:
+        _stopper[0].log_path = os.fspath(path)
+
+
+def _proc_table() -> dict[int, tuple[int, int, str]]:
+    """pid -> (ppid, pgid, state) of every process (Linux /proc; empty elsewhere)."""
+    table = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return table
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        table[int(entry)] = (int(fields[1]), int(fields[2]), fields[0].decode())
+    return table
+
+
+def run_processes(tag: str) -> dict[int, int]:
+    """pid -> pgid of every live process of this run but this one: this process's descendants, and every process
+    whose environment holds RUN_TAG=tag (the run's children once re-parented, their children)."""
+    me = os.getpid()
+    table = _proc_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = set(), [me]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    found |= set(processes_with_env(RUN_TAG, tag))
+    found.discard(me)
+    return {pid: table[pid][1] for pid in found if pid in table and table[pid][2] not in ("Z", "X")}
+
+
+def _signal_all(procs: dict[int, int], sig: int) -> None:
+    own_group = os.getpgid(0)
+    for pid, pgid in procs.items():
+        try:
+            if pgid == pid and pgid != own_group:  # a group leader (start_new_session): its whole group
+                os.killpg(pgid, sig)
+            else:
+                os.kill(pid, sig)
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
+
+
+def stop_processes(tag: str, grace_s: float = TERM_GRACE_S) -> None:
+    """SIGTERM every process of the run (`run_processes`), SIGKILL what is left after `grace_s` (and what was
+    started meanwhile), and wait a moment for them to go."""
+    procs = run_processes(tag)
+    _signal_all(procs, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_alive(p) for p in procs):
+        time.sleep(0.05)
+    for _ in range(2):  # twice: a process may have started one more before it died
+        procs = run_processes(tag)
+        if not procs:
+            return
+        _signal_all(procs, signal.SIGKILL)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and any(_alive(p) for p in procs):
+            time.sleep(0.02)
