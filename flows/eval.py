@@ -25,11 +25,12 @@ from sluiceway.flows.config import EvalRunConfig, RunConfig, validate_for
 from sluiceway.flows.engines import RolloutEngines
 from sluiceway.flows.precision import resolve_precision
 from sluiceway.flows.scaffold import Registry, make_run_dir, open_store, run_locked
-from sluiceway.infra.errors import UserError
+from sluiceway.infra.errors import Fault, UserError
 from sluiceway.infra.sglang_launcher import require_sglang
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.storage.metrics import append_metrics
 from sluiceway.storage.object_store import ObjectStore
+from sluiceway.storage.weights.checksums import checksums_problem
 from sluiceway.tasks.evaluate.evaluate import evaluate
 from sluiceway.tasks.reward.score import RewardSettings
 from sluiceway.tasks.reward.settings import build_reward_settings
@@ -68,6 +69,12 @@ def prepare_eval(cfg: RunConfig) -> EvalPrepared:
     store = open_store(cfg)
     rewards = build_reward_settings(cfg)
     hf_dir, version = resolve_model(cfg.training.hf_checkpoint)
+    problem = checksums_problem(hf_dir)  # a run's published weights: checked once, before the engines load them
+    if problem is not None:
+        raise Fault(
+            f"weights {hf_dir}/{problem}. Nothing was evaluated; restore the directory or evaluate another "
+            f"version (a resume of the run that wrote it writes the version its checkpoint holds again)"
+        )
     tokenizer = load_tokenizer(hf_dir)
     prompts = load_eval_prompts(cfg, store, tokenizer)
     empty = [name for name, items in prompts.items() if not items]

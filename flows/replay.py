@@ -53,6 +53,7 @@ from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.storage.checkpoints import load_checkpoint
 from sluiceway.storage.metrics import append_metrics
 from sluiceway.storage.object_store import ObjectStore
+from sluiceway.tasks.sync.disk import settle_versions
 from sluiceway.tasks.train.remote import RemoteTrainer
 from sluiceway.tasks.train.replay import ReplaySource, open_source, step_batch
 from sluiceway.tasks.train.trainer import PolicyTrainer
@@ -129,6 +130,8 @@ class ReplayRun:
     def resume(self) -> int:
         """Load the replay's checkpoint, if any; return the position in the step list to continue from."""
         step = load_checkpoint(self.trainer, self.checkpoint_path)
+        # The final publish keeps a version directory it finds: checked, rebuilt if damaged (tasks/sync/disk.py).
+        settle_versions(self.run_dir / "weights", self.trainer.weight_version)
         if step is None:
             return 0
         log.info("resumed from %s (stored step %d)", self.checkpoint_path, step)

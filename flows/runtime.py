@@ -28,6 +28,7 @@ from sluiceway.tasks.reward.score import RewardSettings
 from sluiceway.tasks.reward.settings import build_reward_settings
 from sluiceway.tasks.rollout.prompts import build_rollout_settings, load_dataset, load_eval_prompts, render_items
 from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings
+from sluiceway.tasks.sync.disk import settle_versions
 from sluiceway.tasks.sync.publish import sync_due, sync_weights, weight_publisher
 from sluiceway.tasks.train.remote import RemoteTrainer
 from sluiceway.tasks.train.trainer import PolicyTrainer
@@ -181,6 +182,8 @@ class Runtime:
         if self.cfg.storage.storage_uri:  # a run resumed elsewhere takes the object store's newer checkpoint
             fetch_newer_checkpoint(self.store, self.cfg.run_id, self.checkpoint_path)
         step = load_checkpoint(self.trainer, self.checkpoint_path)
+        # The engines are about to load this version's directory: checked, rebuilt if damaged (tasks/sync/disk.py).
+        settle_versions(self.run_dir / "weights", self.trainer.weight_version)
         if step is None:
             return 0
         self.sync_weights()

@@ -44,6 +44,7 @@ from sluiceway.storage.datasets import import_prompts, load_prompts
 from sluiceway.storage.metrics import append_metrics
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.tasks.rollout.prompts import dataset_table_name
+from sluiceway.tasks.sync.disk import settle_versions
 from sluiceway.tasks.train.batch import TrainSample
 from sluiceway.tasks.train.remote import RemoteTrainer
 from sluiceway.tasks.train.sft_data import SftSettings, sft_samples
@@ -128,6 +129,8 @@ class SftRun:
     def resume(self) -> int:
         """Load the latest checkpoint, if any; return the first step still to train."""
         step = load_checkpoint(self.trainer, self.checkpoint_path)
+        # The final publish keeps a version directory it finds: checked, rebuilt if damaged (tasks/sync/disk.py).
+        settle_versions(self.run_dir / "weights", self.trainer.weight_version)
         if step is None:
             return 0
         log.info("resumed from %s (step %d)", self.checkpoint_path, step)

@@ -12,13 +12,13 @@ beyond `keep` are deleted after the pointer moves.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
 from pathlib import Path
 
 from sluiceway.infra.errors import Fault
+from sluiceway.storage.digests import digests_problem
 from sluiceway.storage.object_store import ObjectStore
 
 log = logging.getLogger("sluiceway")
@@ -117,18 +117,6 @@ def fetch_newer_checkpoint(store: ObjectStore, run_id: str, local_dir: Path) -> 
     return None
 
 
-def file_digests(path: Path) -> dict[str, dict]:
-    """{name: {"bytes", "sha256"}} of a checkpoint directory's data files (sha256: about half a second a GB here)."""
-    out = {}
-    for f in sorted(path.glob("*.pt")):
-        h = hashlib.sha256()
-        with open(f, "rb") as src:
-            while block := src.read(1 << 22):
-                h.update(block)
-        out[f.name] = {"bytes": f.stat().st_size, "sha256": h.hexdigest()}
-    return out
-
-
 def checkpoint_problem(path: str | Path) -> str | None:
     """What is wrong with the checkpoint directory `path` (unreadable meta.json, a file missing, truncated or
     changed since it was written), or None when every file matches what the save recorded. Checkpoints written
@@ -142,16 +130,7 @@ def checkpoint_problem(path: str | Path) -> str | None:
         return f"meta.json is unreadable ({type(e).__name__})"
     if recorded is None:
         return None
-    actual = file_digests(path)
-    for name, want in recorded.items():
-        got = actual.get(name)
-        if got is None:
-            return f"{name} is missing"
-        if got["bytes"] != want["bytes"]:
-            return f"{name} has {got['bytes']} bytes, {want['bytes']} were written (truncated?)"
-        if got["sha256"] != want["sha256"]:
-            return f"{name} does not match the sha256 recorded when it was written (corrupted)"
-    return None
+    return digests_problem(path, recorded)
 
 
 def settle_checkpoint_dir(local_dir: Path) -> None:

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from sluiceway.storage.weights import safetensors_raw as st
+from sluiceway.storage.weights.checksums import write_checksums
 from sluiceway.storage.weights.codec import decode
 from sluiceway.storage.weights.errors import BaseMismatch, CorruptWeights
 from sluiceway.storage.weights.manifest import MANIFEST, Manifest
@@ -154,8 +155,11 @@ def materialize(wstore: WeightStore, version: int, local_base_dir: Path | None, 
         _write_files(wstore, target, local_base_dir, tmp)
         # A LoRA adapter version (--lora-sync adapter) keeps peft's file name, so peft and SGLang load it as is.
         name = "adapter_model.safetensors" if "adapter_config.json" in target.files else "model.safetensors"
-        st.write(tmp / name, {k: state[k][0] for k in target.tensors}, target.metadata)
+        digest = st.write(tmp / name, {k: state[k][0] for k in target.tensors}, target.metadata, checksum=True)
         (tmp / MANIFEST).write_text(target.dumps())
+        # What a pool agent checks its copy against when it starts (infra/pool_agent.py): the file as written.
+        known = {name: {"bytes": (tmp / name).stat().st_size, "sha256": digest}}
+        write_checksums(tmp, target.version, known=known)
         old = out_dir.with_name(f".{out_dir.name}.old")
         shutil.rmtree(old, ignore_errors=True)
         if out_dir.exists():

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sluiceway.storage.weights import safetensors_raw as st
+from sluiceway.storage.weights.checksums import CHECKSUMS
 from sluiceway.storage.weights.codec import ZSTD_LEVEL, encode
 from sluiceway.storage.weights.manifest import (
     DELTA_FILE,
@@ -32,8 +33,9 @@ from sluiceway.storage.weights.store import WeightStore
 if TYPE_CHECKING:
     import torch
 
-# Files of an HF model directory that hold weights: the store rebuilds these, it never copies them.
-_WEIGHT_FILES = ("model.safetensors.index.json", MANIFEST)
+# Files of an HF model directory that hold weights or describe them: the store rebuilds these, it never copies
+# them (checksums.json changes with every version: as an aux file it would make every version a full one).
+_WEIGHT_FILES = ("model.safetensors.index.json", MANIFEST, CHECKSUMS)
 
 
 def sha256(data: bytes | memoryview) -> str:

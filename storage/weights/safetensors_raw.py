@@ -8,6 +8,7 @@ or a dtype conversion (which could canonicalize a NaN payload). The format is si
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from collections.abc import Mapping
@@ -102,9 +103,16 @@ def read(path: Path) -> tuple[dict[str, RawTensor], dict[str, str]]:
 
 
 def write(
-    path: Path, tensors: Mapping[str, RawTensor], metadata: Mapping[str, str] | None = None, reuse: bool = False
-) -> None:
+    path: Path,
+    tensors: Mapping[str, RawTensor],
+    metadata: Mapping[str, str] | None = None,
+    reuse: bool = False,
+    checksum: bool = False,
+) -> str | None:
     """A safetensors file with the tensors in the given order (same input, same bytes).
+
+    `checksum`: return the file's sha256, taken from the bytes as they are written (no second read; 0.17 s for
+    270 MB on this CPU, which has SHA extensions); else None.
 
     `reuse`: an existing file of exactly the new size is overwritten in place, every byte, instead of truncated
     and written anew: its pages are reused, so no memory is allocated and no new file goes to writeback (a
@@ -120,8 +128,10 @@ def write(
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     size = 8 + len(blob) + offset
     in_place = reuse and Path(path).is_file() and Path(path).stat().st_size == size
+    digest = hashlib.sha256() if checksum else None
     with open(path, "r+b" if in_place else "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for t in tensors.values():
-            f.write(t.data)
+        for chunk in (struct.pack("<Q", len(blob)), blob, *(t.data for t in tensors.values())):
+            f.write(chunk)
+            if digest is not None:
+                digest.update(chunk)
+    return None if digest is None else digest.hexdigest()

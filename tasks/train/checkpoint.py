@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sluiceway.storage.checkpoints import file_digests
+from sluiceway.storage.digests import file_digests
 from sluiceway.tasks.train.zero import restore_optimizer
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ def save_checkpoint(trainer: PolicyTrainer, path: str | Path, step: int) -> None
     _barrier()
     if torch.distributed.get_rank() == 0:
         meta = {"step": step, "weight_version": trainer.weight_version, "tensor_parallel": trainer.tp_size}
-        meta["files"] = file_digests(tmp)  # checked before a resume trusts the checkpoint (verify_checkpoint)
+        meta["files"] = file_digests(tmp)  # checked before a resume trusts it (storage/checkpoints.py)
         (tmp / "meta.json").write_text(json.dumps(meta))
         old = path.with_name(path.name + ".old")
         if path.exists():

@@ -310,6 +310,46 @@ def test_a_damaged_checkpoint_moved_away_retrains_to_the_same_weights(tmp_path, 
     assert_same_training(run_dir, reference)  # retrained from the stored trajectories, bit for bit
 
 
+def _flip_weights_byte(model_file: Path) -> str:
+    """Flip the low byte of the middle element of the middle tensor (the weight moves a little: the run still
+    finishes, as it did with the issue's damaged file); the tensor's name."""
+    data = bytearray(model_file.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    names = sorted(k for k in header if k != "__metadata__")
+    name = names[len(names) // 2]
+    width = {"F32": 4, "BF16": 2, "F16": 2}[header[name]["dtype"]]
+    start, end = header[name]["data_offsets"]
+    data[8 + n + start + (end - start) // width // 2 * width] ^= 0xFF
+    model_file.write_bytes(bytes(data))
+    return name
+
+
+def test_a_damaged_weight_version_is_rebuilt_from_the_checkpoint_on_resume(tmp_path, reference, cache):
+    """The version a resume loads on its engines is checked against the checksums written with it; a damaged one
+    is written again from the (verified) checkpoint with a warning, and the run ends as an undamaged one."""
+    run_dir = tmp_path / "run"
+    first = cli(run_args(run_dir, "--num-rollout", str(STEPS - 1)), cache)
+    assert first.returncode == 0, first.stdout + first.stderr
+    newest = sorted((run_dir / "weights").glob("v*"))[-1]
+    assert newest.name == f"v{STEPS - 1:06d}"  # what the resume's engines load before step 3
+    _flip_weights_byte(newest / "model.safetensors")
+    record = run_dir / "sluiceway-run.yaml"  # the run extended by a step, continued with `sluiceway resume`
+    data = yaml.safe_load(record.read_text())
+    data["config"]["rollout"]["num_rollout"] = STEPS
+    record.write_text(yaml.safe_dump(data, sort_keys=False))
+    resumed = cli(["resume", str(run_dir)], cache)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert_same_training(run_dir, reference)  # before the fix: step 3 sampled from the damaged weights
+    for v in (STEPS - 1, STEPS):  # the rebuilt version and the one trained from its samples, byte for byte
+        name = f"v{v:06d}/model.safetensors"
+        assert (run_dir / "weights" / name).read_bytes() == (reference / "weights" / name).read_bytes(), name
+    warnings = [ln for ln in resumed.stderr.splitlines() if " WARNING " in ln and "sha256" in ln]
+    assert len(warnings) == 1, resumed.stderr  # one line naming the file and what it should have been
+    assert f"{newest}/model.safetensors does not match the sha256 recorded when it was written" in warnings[0]
+    assert f"writing v{STEPS - 1} again from the checkpoint's weights" in warnings[0]
+
+
 def test_a_truncated_commit_rolled_back_by_hand_resumes(tmp_path, reference, cache):
     run_dir = copy_run(reference, tmp_path)
     _truncate_newest_commit(run_dir)

@@ -3,6 +3,7 @@ engine running, one-line errors for a bad run or version, and evaluating a run's
 
 import datetime as dt
 import os
+import shutil
 import subprocess
 import sys
 
@@ -154,3 +155,21 @@ def test_eval_of_published_weights(stored, replayed):
     assert {r["step"] for r in m} == {1}  # stored at the weights' version (weights/v000001)
     scores = {r["name"]: r["value"] for r in m}
     assert scores["eval/arith/prompts"] == 4.0 and 0.0 <= scores["eval/arith/pass@2"] <= 1.0
+
+
+def test_eval_of_damaged_published_weights_is_one_line(stored, replayed, tmp_path):
+    _, cache, _, _ = stored
+    out, _ = replayed
+    damaged = tmp_path / "weights" / "v000001"
+    shutil.copytree(out / "weights" / "v000001", damaged)
+    data = bytearray((damaged / "model.safetensors").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (damaged / "model.safetensors").write_bytes(bytes(data))
+    proc = sluiceway(
+        cache, "eval", "--hf-checkpoint", str(damaged), "--eval-prompt-data", "arith", "env:arithmetic",
+        "--eval-size", "4", "--rollout-max-response-len", "8", "--custom-rm-path", SCORER,
+        "--output-dir", str(tmp_path / "eval-out"),
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and " INFO " not in ln]
+    assert len(lines) == 1 and lines[0].startswith(f"error: weights {damaged}/model.safetensors does not match"), lines

@@ -50,7 +50,7 @@ def test_a_half_uploaded_step_is_not_the_latest(store, tmp_path):
 
 def signed_checkpoint(path, step):
     """A fake checkpoint whose meta.json records its files' sizes and digests, as the trainer's save does."""
-    from sluiceway.storage.checkpoints import file_digests
+    from sluiceway.storage.digests import file_digests
 
     fake_checkpoint(path, step)
     meta = json.loads((path / "meta.json").read_text()) | {"files": file_digests(path)}

@@ -1,7 +1,11 @@
 """Weight versions on disk (tasks/sync/disk.py): complete model directories, the newest `keep` kept, the oldest
-one's directory and model file reused in place; and readers that must not see such a rewrite (the engine)."""
+one's directory and model file reused in place; readers that must not see such a rewrite (the engine); the
+checksums each version records, and what a resume does with a damaged version."""
 
 from __future__ import annotations
+
+import json
+import logging
 
 import pytest
 import torch
@@ -9,8 +13,10 @@ from safetensors.torch import load_file
 
 from sluiceway.infra.engine.llama import LlamaRunner
 from sluiceway.models.zoo import load_hf_model, load_hf_state_dict, resolve_checkpoint
+from sluiceway.storage.digests import file_sha256
 from sluiceway.storage.weights import safetensors_raw
-from sluiceway.tasks.sync.disk import version_dir, write_weight_version
+from sluiceway.storage.weights.checksums import CHECKSUMS, checksums_problem
+from sluiceway.tasks.sync.disk import settle_versions, version_dir, write_adapter_version, write_weight_version
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +69,91 @@ def test_the_engine_does_not_see_its_weight_file_rewritten(model_dir, tmp_path, 
     reread = load_file(path / "model.safetensors")
     assert all(torch.equal(reread[k], other[k]) for k in other)  # the file did change, in place
     assert torch.equal(runner.forward_full(ids), before)
+
+
+def _flip_byte(path, at=None) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2 if at is None else at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_version_records_its_checksums_and_a_flipped_byte_is_named(model_dir, tmp_path):
+    path = write_weight_version(perturbed(load_hf_state_dict(model_dir), 1), model_dir, tmp_path, 1, dtype="bfloat16")
+    record = json.loads((path / CHECKSUMS).read_text())
+    assert record["weight_version"] == 1
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(record["files"]) and CHECKSUMS not in record[
+        "files"
+    ]
+    # The digest taken while writing is the file's.
+    assert record["files"]["model.safetensors"]["sha256"] == file_sha256(path / "model.safetensors")
+    assert checksums_problem(path) is None
+    _flip_byte(path / "model.safetensors")
+    problem = checksums_problem(path)
+    assert problem.startswith("model.safetensors does not match the sha256 recorded when it was written"), problem
+    assert record["files"]["model.safetensors"]["sha256"][:12] in problem  # what was expected
+    (path / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes()[:-10])
+    assert "model.safetensors has" in checksums_problem(path) and "were written (truncated?)" in checksums_problem(path)
+    (path / CHECKSUMS).write_text('{"files": {')
+    assert checksums_problem(path) == "checksums.json is unreadable (JSONDecodeError)"
+
+
+def test_a_resume_rebuilds_a_damaged_version_and_drops_newer_ones(model_dir, tmp_path, caplog):
+    base = load_hf_state_dict(model_dir)
+    root = tmp_path / "weights"
+    states = {v: perturbed(base, v) for v in (1, 2, 3)}
+    for v in (1, 2):
+        write_weight_version(states[v], model_dir, root, v)
+    good = (version_dir(root, 2) / "model.safetensors").read_bytes()
+    write_weight_version(states[3], model_dir, root, 3, keep=3)  # written after the checkpoint (at v2), then a kill
+    _flip_byte(version_dir(root, 2) / "model.safetensors")
+    with caplog.at_level(logging.INFO, logger="sluiceway"):
+        settle_versions(root, 2)  # the trainer loaded the checkpoint at v2
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"{version_dir(root, 2)}/model.safetensors does not match the sha256" in warning
+    assert "writing v2 again from the checkpoint's weights" in warning
+    assert sorted(p.name for p in root.iterdir()) == ["v000001"]  # v3's step is trained again; v2 is rewritten
+    path = write_weight_version(states[2], model_dir, root, 2)  # the resume's sync, from the checkpoint's weights
+    assert (path / "model.safetensors").read_bytes() == good and checksums_problem(path) is None
+    caplog.clear()
+    settle_versions(root, 2)  # an intact version stays
+    assert (path / "model.safetensors").read_bytes() == good and not caplog.records
+
+
+def test_a_version_without_checksums_loads_unchecked(model_dir, tmp_path):
+    """Written by a build before checksums: trusted as it was."""
+    path = write_weight_version(load_hf_state_dict(model_dir), model_dir, tmp_path, 4)
+    (path / CHECKSUMS).unlink()
+    _flip_byte(path / "model.safetensors")
+    assert checksums_problem(path) is None
+    settle_versions(tmp_path, 4)
+    assert path.is_dir()
+
+
+def test_an_adapter_version_records_its_checksums(model_dir, tmp_path):
+    from sluiceway.models.lora import LoraSpec
+
+    spec = LoraSpec(rank=2, alpha=4.0, dropout=0.0, targets=("q_proj",))
+    adapter = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(2, 8)}
+    path = write_adapter_version(adapter, spec, model_dir, tmp_path, 5)
+    assert set(json.loads((path / CHECKSUMS).read_text())["files"]) == {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    }
+    _flip_byte(path / "adapter_model.safetensors", at=-1)
+    assert checksums_problem(path).startswith("adapter_model.safetensors does not match")
+
+
+def test_checksums_are_not_published_to_the_weight_store(model_dir, tmp_path):
+    """checksums.json differs in every version: as a config file it would make every version a full one."""
+    from sluiceway.storage.object_store import ObjectStore
+    from sluiceway.storage.weights import WeightPublisher, WeightStore, materialize
+
+    base = load_hf_state_dict(model_dir)
+    pub = WeightPublisher(WeightStore(ObjectStore.from_uri(str(tmp_path / "store"))), float_dtype="BF16")
+    for v in (1, 2):
+        sd = {k: t + 1e-3 * v if k.endswith("norm.weight") else t for k, t in base.items()}
+        m = pub.publish(v, write_weight_version(sd, model_dir, tmp_path / "weights", v, dtype="bfloat16"))
+        assert CHECKSUMS not in m.files
+    assert m.kind == "delta"
+    out = materialize(pub.wstore, 2, None, tmp_path / "pulled")
+    assert checksums_problem(out) is None and json.loads((out / CHECKSUMS).read_text())["weight_version"] == 2
