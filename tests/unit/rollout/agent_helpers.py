@@ -20,8 +20,9 @@ ADD_CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 2}}</tool_call
 
 @dataclass
 class ScriptedEngine:
-    """Answers turn k with the k-th scripted text's ids (+ EOS), log-prob -(i+1)/100 for token i; a text holding a
-    stop string is answered up to and with it, finish_reason "stop" (as an engine with `stop` does)."""
+    """Answers turn k with the k-th scripted text's ids (+ EOS), log-prob -(i+1)/100 for token i; cut at
+    max_new_tokens with finish_reason "length"; a text holding a stop string is answered up to and with it,
+    finish_reason "stop" (as an engine with `stop` does)."""
 
     tokenizer: object
     texts: list[str]
@@ -36,10 +37,12 @@ class ScriptedEngine:
         for s in params.get("stop") or []:
             if s in text:
                 text, eos = text[: text.index(s) + len(s)], []
-        ids = self.tokenizer.encode(text, add_special_tokens=False)[: params["max_new_tokens"] - len(eos)] + eos
+        ids, reason = self.tokenizer.encode(text, add_special_tokens=False) + eos, "stop"
+        if len(ids) > params["max_new_tokens"]:  # cut at the cap: no stop token
+            ids, reason = ids[: params["max_new_tokens"]], "length"
         self.calls.append({"rid": rid, "input_ids": list(input_ids), "params": dict(params), "output_ids": ids})
         lps = [-(i + 1) / 100 for i in range(len(ids))]
-        return GenerateResult(rid, ids, lps, "stop", 7, len(input_ids), 0.01)
+        return GenerateResult(rid, ids, lps, reason, 7, len(input_ids), 0.01)
 
 
 def agent_module(tmp_path, body: str, name: str = "agent_mod") -> str:
