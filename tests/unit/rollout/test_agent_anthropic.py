@@ -10,8 +10,9 @@ TOOL_AGENT = """
 import anthropic
 
 STREAM = {stream}
+INT = {{"type": "integer"}}
 TOOLS = [{{"name": "add", "description": "Adds two integers.",
-          "input_schema": {{"type": "object", "properties": {{"a": {{"type": "integer"}}, "b": {{"type": "integer"}}}}}}}}]
+          "input_schema": {{"type": "object", "properties": {{"a": INT, "b": INT}}}}}}]
 
 def ask(client, **kw):
     if not STREAM:
