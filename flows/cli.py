@@ -187,6 +187,8 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from sluiceway.infra.proc import hold_if_stopping
+
     try:
         from sluiceway.infra.sglang_launcher import split_sglang_args
 
@@ -280,14 +282,17 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return _dispatch(args.command, cfg)
     except UserError as e:
+        hold_if_stopping()  # a signal is ending the run (infra/proc.py): no other line after `interrupted`
         # One line, even for a file name with a newline in it: control characters are shown escaped.
         msg = re.sub(r"[\x00-\x1f\x7f]", lambda m: repr(m.group())[1:-1], str(e))
         print(f"error: {msg}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the commands that keep Python's SIGINT handling (infra/proc.py FLOW_COMMANDS)
+        hold_if_stopping()
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # a fault: one line here, the traceback in the run's log file (flows/faults.py)
+        hold_if_stopping()  # ... unless the fault is what a signal's stopping the run's processes caused
         from sluiceway.flows.faults import explain
         from sluiceway.flows.run import record_failure
 

@@ -14,6 +14,7 @@ import ctypes
 import gc
 import os
 import re
+import select
 import signal
 import socket
 import sys
@@ -172,16 +173,21 @@ class _Stopper:
         self.devnull = os.open(os.devnull, os.O_WRONLY)
         self.log_path: str | None = None
         self.signum = 0
+        self.woken = False
         self.thread = threading.Thread(target=self._watch, name="sluiceway-signals", daemon=True)
 
     def _watch(self) -> None:
         while True:
-            try:
-                data = os.read(self.read_fd, 1)
-            except InterruptedError:
-                continue
+            # Readable first, read after: until `woken` is set the byte stays in the pipe, where `pending` sees it.
+            select.select([self.read_fd], [], [])
+            self.woken = True
+            data = os.read(self.read_fd, 1)
             if data and os.getpid() == self.pid:
                 self._stop(data[0])
+
+    def pending(self) -> bool:
+        """A signal arrived: the watchdog is (or is about to be) ending the process."""
+        return self.woken or bool(select.select([self.read_fd], [], [], 0)[0])
 
     def on_signal(self, signum, frame) -> None:
         """The Python-level handler (main thread): hand over to the watchdog, then wait to be ended."""
@@ -231,7 +237,7 @@ class _Stopper:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)) + f",{int(now % 1 * 1000):03d}"
         line = f"{stamp} sluiceway WARNING {message}\n".encode()
         try:
-            fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND)
+            fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError:
             return
         try:
@@ -292,7 +298,7 @@ def _forget_in_child() -> None:
 
 def stopping() -> bool:
     """True once a signal is ending this process (the watchdog is stopping the run's processes)."""
-    return bool(_stopper) and _stopper[0].signum != 0
+    return bool(_stopper) and _stopper[0].pending()
 
 
 def hold_if_stopping() -> None:
