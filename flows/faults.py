@@ -65,7 +65,8 @@ def explain(exc: BaseException, run_dir: Path | None = None) -> Explained:
     if full is None and run_dir is not None and _free_bytes(run_dir) < LOW_SPACE_BYTES:
         full = exc
     if full is not None:
-        where = getattr(full, "filename", None) or run_dir or ""
+        # A copy or a rename names two files: the write that failed was to the second (shutil.copy's target).
+        where = getattr(full, "filename2", None) or getattr(full, "filename", None) or run_dir or ""
         return Explained(
             f"disk full{' at ' + str(where) if where else ''} ({first_line(full)}). Every commit before it is "
             f"intact; free space, then `{resume}` continues from the last checkpoint",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import sys
@@ -15,11 +16,16 @@ LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
 class _NoPrefectFailures(logging.Filter):
-    """Keeps Prefect's error records (a failed task's traceback, 'Finished in state Failed') off the terminal:
-    the CLI prints the failure as one line (flows/faults.py) and the run's log file has them in full."""
+    """Keeps Prefect's warning and error records off the terminal during a run (a failed task's traceback,
+    'Finished in state Failed', 'Failed to write result' on a full disk, a log it could not send), and the
+    warnings of the run's Prefect artifacts (flows/artifacts.py: best-effort reports to the UI, which fail first
+    when the disk under Prefect's database fills): the CLI prints a failure as one line (flows/faults.py) and
+    the run's log file has them in full."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.name.startswith("prefect") and record.levelno >= logging.ERROR)
+        if record.name.startswith("prefect"):
+            return record.levelno < logging.WARNING
+        return not (record.name == "sluiceway" and record.module == "artifacts" and record.levelno < logging.ERROR)
 
 
 def configure_logging(cfg: RunConfig) -> None:
@@ -70,27 +76,109 @@ def send_native_stderr_to_log(cfg: RunConfig) -> None:
     sys.stderr = open(terminal, "w", buffering=1, errors="backslashreplace")  # noqa: SIM115 - for the process
 
 
+class _NeverFails(io.TextIOBase):
+    """A text stream whose writes go to a file descriptor as far as they can and never raise: what the
+    interpreter's teardown writes after a fault's one line, on a disk that may be full. CPython exits 120 instead
+    of the command's code when flushing sys.stdout or sys.stderr fails at exit; this one's flush cannot."""
+
+    def __init__(self, fd: int | None) -> None:
+        self._fd = fd
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if self._fd is not None:
+            data = text.encode(errors="backslashreplace")
+            try:
+                while data:
+                    data = data[os.write(self._fd, data) :]
+            except OSError:
+                self._fd = None  # the disk is full (or the file gone): the rest goes nowhere
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation("fileno")
+
+
 def quiet_teardown(run_dir: Path) -> None:
     """After a fault's one line: what the interpreter's teardown prints (Prefect failing to flush logs to a
-    server that is gone, a library's exit warnings) goes to the run's log, not under that line."""
-    sys.stderr.flush()
+    server that is gone, a library's exit warnings) goes to the run's log, not under that line, and no write or
+    flush of sys.stdout or sys.stderr can change the exit code any more (a full disk: exit 120)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
     try:
-        sys.stderr = open(run_dir / "sluiceway.log", "a", errors="backslashreplace")  # noqa: SIM115
+        fd = os.open(run_dir / "sluiceway.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     except OSError:
-        sys.stderr = open(os.devnull, "w")  # noqa: SIM115
+        fd = None
+    sys.stderr = _NeverFails(fd)
+    out = sys.stdout
+    try:
+        out_fd = os.dup(out.fileno()) if out is not None else None
+    except (OSError, ValueError, io.UnsupportedOperation):
+        out_fd = None
+    sys.stdout = _NeverFails(out_fd)
 
 
 def record_failure(message: str, exc: BaseException) -> Path | None:
-    """Write a failed command's traceback to the run's log file only (the terminal gets one line); its path."""
+    """Write a failed command's traceback to the run's log file (the terminal gets one line) and return where it
+    went. Whole or not at all: where the log's disk has no room for it (a full disk), it goes to a new file in the
+    system's temporary directory instead, and where that fails too, nowhere (None), never cut short."""
     root = logging.getLogger()
     files = [h for h in root.handlers if getattr(h, "run_log", False)]
     if not files:
         return None
     record = logging.LogRecord("sluiceway", logging.ERROR, __file__, 0, "the command failed: %s", (message,),
                                (type(exc), exc, exc.__traceback__))  # fmt: skip
+    text = logging.Formatter(LOG_FORMAT).format(record) + "\n"
+    log_path = Path(files[0].run_log)
     for h in files:
-        h.handle(record)
-    return files[0].run_log
+        try:
+            h.flush()  # what the handler holds goes before the traceback (or fails now, not after it)
+        except Exception:  # noqa: BLE001 - a full disk: the traceback below decides where it goes
+            pass
+    if _append_whole(log_path, text):
+        return log_path
+    import tempfile
+
+    try:
+        fd, name = tempfile.mkstemp(prefix=f"sluiceway-{log_path.parent.name}-", suffix=".traceback.log")
+    except OSError:
+        return None
+    os.close(fd)
+    if _append_whole(Path(name), text):
+        return Path(name)
+    Path(name).unlink(missing_ok=True)
+    return None
+
+
+def _append_whole(path: Path, text: str) -> bool:
+    """Append `text` to `path` entirely, or leave the file as it was (False)."""
+    data = text.encode(errors="backslashreplace")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError:
+        return False
+    try:
+        start = os.fstat(fd).st_size
+        try:
+            while data:
+                data = data[os.write(fd, data) :]
+            return True
+        except OSError:
+            try:
+                os.ftruncate(fd, start)  # a cut traceback is worse than none: it reads as the whole story
+            except OSError:
+                pass
+            return False
+    finally:
+        os.close(fd)
 
 
 def _configure(cfg: RunConfig, wait: bool = True) -> None:
