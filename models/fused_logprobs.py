@@ -34,13 +34,7 @@ class TokenLogProbEntropy(torch.autograd.Function):
         for a in range(0, n, CHUNK_ROWS):
             rows = slice(a, a + CHUNK_ROWS)
             x = _scaled_fp32(logits[rows], temperature)
-            top = x.amax(-1, keepdim=True)
-            x.sub_(top)  # shifted: exp cannot overflow
-            target = x.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1)
-            e = torch.exp(x)
-            z = e.sum(-1)
-            log_z = z.log()
-            logp[rows] = target - log_z
+            logp[rows], top, e, z, log_z = _target_logprob(x, targets[rows])
             entropy[rows] = log_z - e.mul_(x).sum(-1) / z  # H = log Z - sum_j p_j x_j (shifted x)
             log_norm[rows] = top.squeeze(-1) + log_z
         ctx.save_for_backward(logits, targets, log_norm, entropy)
@@ -71,6 +65,29 @@ class TokenLogProbEntropy(torch.autograd.Function):
                 g.div_(t)
             grad[rows] = g
         return grad, None, None
+
+
+def _target_logprob(x: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """log softmax(x)[target] of fp32 rows x [N, V] (shifted in place by their max), and the parts the entropy
+    and backward reuse: (logp [N], max [N, 1], exp(shifted) [N, V], Z [N], log Z [N]).
+
+    The one formula for a sampled token's log-prob: the embedded engine reports its samples' log-probs with it
+    (`sampled_logprobs`), so in bf16 the engine's and the trainer's log-probs of the same logits are the same
+    bits, not log_softmax's and this one's reductions a few ulps apart (issue 31).
+    """
+    top = x.amax(-1, keepdim=True)
+    x.sub_(top)  # shifted: exp cannot overflow
+    target = x.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    e = torch.exp(x)
+    z = e.sum(-1)
+    log_z = z.log()
+    return target - log_z, top, e, z, log_z
+
+
+def sampled_logprobs(scaled_logits: Tensor, targets: Tensor) -> Tensor:
+    """log softmax(scaled_logits)[targets] per row, fp32 [N], exactly as the trainer computes it
+    (`TokenLogProbEntropy`); `scaled_logits` fp32 [N, V] = logits / temperature, left unchanged."""
+    return _target_logprob(scaled_logits.clone(), targets)[0]
 
 
 def _scaled_fp32(x: Tensor, temperature: float) -> Tensor:

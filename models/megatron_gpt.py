@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from sluiceway.infra.proc import loopback_collectives, loopback_store
+from sluiceway.models.batch_invariant import masked_attention
 from sluiceway.models.fused_logprobs import token_logprob_entropy
 
 with warnings.catch_warnings():
@@ -397,12 +398,10 @@ def _explicit_causal_attention(
     """softmax(q k^T * scale + causal mask) v with the softmax in fp32, [b, h, s, d] in and out. `forbidden`
     ([b, 1, s, s], True = may not attend) adds a packing mask; every query may still attend to itself."""
     s = q.size(2)
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
     masked = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
     if forbidden is not None:
         masked = masked | forbidden.bool()
-    probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1)
-    return torch.matmul(probs.to(q.dtype), v)
+    return masked_attention(q, k, v, masked, scale)  # the embedded engine's arithmetic (batch_invariant.py)
 
 
 def cpu_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:

@@ -2,8 +2,9 @@
 
 HF's own forward keeps one DynamicCache for a rectangular batch; continuous batching needs sequences of
 different lengths that join and leave at different steps, so the engine runs its own forward: embedding,
-RMSNorm, RoPE (inv_freq from transformers' own rope functions, so `rope_parameters` mean what HF means),
-GQA attention (SDPA, or an explicit product where that is faster: see `attention`), SwiGLU MLP, tied or untied lm_head.
+RMSNorm (torch's, as the trainer's), RoPE (inv_freq from transformers' own rope functions, so `rope_parameters`
+mean what HF means), GQA attention (SDPA, or an explicit product where that is faster: see `attention`), SwiGLU
+MLP, tied or untied lm_head.
 Supports Llama and Qwen2 shapes (optional q/k/v bias); logits come out in fp32.
 """
 
@@ -18,6 +19,7 @@ from torch import Tensor
 
 from sluiceway.infra.engine import packed_linear
 from sluiceway.infra.engine.kv_cache import SlotKVCache
+from sluiceway.models.batch_invariant import masked_attention, padded_span, single_row_safe
 
 
 def rope_inv_freq(config: Any) -> tuple[Tensor, float]:
@@ -67,12 +69,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, scale: fl
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True, scale=scale)
     rep = h // g
     # Query head i uses KV head i // rep (HF's grouping): rows (i % rep, query) of group i // rep.
-    scores = torch.matmul(q.reshape(b, g, rep * t, d), k.transpose(-1, -2)).float().mul_(scale)
     if allowed is None:
         allowed = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)[None, None]
     allowed = allowed.unsqueeze(2).expand(-1, -1, rep, -1, -1).reshape(allowed.size(0), 1, rep * t, s)
-    probs = torch.softmax(scores.masked_fill_(~allowed, float("-inf")), dim=-1)
-    return torch.matmul(probs.to(v.dtype), v).view(b, h, t, d)
+    # The trainer's arithmetic (models/batch_invariant.py): a row's bits do not depend on the span or the batch.
+    return masked_attention(q.reshape(b, g, rep * t, d), k, v, ~allowed, scale).view(b, h, t, d)
 
 
 class LlamaRunner:
@@ -191,16 +192,16 @@ class LlamaRunner:
 
     # ---------------------------------------------------------------------------------------------- forward
     def _linear(self, x: Tensor, name: str, bias: Tensor | None = None) -> Tensor:
+        rows, single = single_row_safe(x)  # a lone decode row gets the bits the trainer's batch gives it
         packed = self.packed.get(name)
-        if packed is not None:
-            return packed_linear.linear(x, packed, bias)
-        return F.linear(x, self.w[name], bias)
+        out = packed_linear.linear(rows, packed, bias) if packed is not None else F.linear(rows, self.w[name], bias)
+        return out[:1].reshape(*x.shape[:-1], out.size(-1)) if single else out
 
     def _rms(self, x: Tensor, weight: Tensor) -> Tensor:
-        # As HF: normalise in fp32, cast back, then scale.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * xf.to(x.dtype)
+        # torch's RMSNorm, as the trainer's megatron layers use it (torch.nn.RMSNorm): one rounding of the scaled
+        # result. HF's Llama rounds the normalised x to bf16 before scaling: in bf16 that differed from the trainer
+        # in a quarter of the elements and made a 0.06 per-token log-prob gap on SmolLM2 (issue 31).
+        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
     def _cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq
@@ -295,6 +296,8 @@ class LlamaRunner:
         """
         b = tokens.shape[0]
         span = int(positions.max()) + 1
+        if self.dtype != torch.float32:  # the explicit attention's padded span, read from the cache without a copy
+            span = min(padded_span(span), cache.max_len)
         rows = torch.arange(b)
         cos, sin = self._cos_sin(positions[:, None])
         # Keys beyond a row's own length are stale or empty: mask them out per row.

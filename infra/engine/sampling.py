@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from sluiceway.models.fused_logprobs import sampled_logprobs
+
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary"
 
 
@@ -67,7 +69,8 @@ def sample(
     """(token ids [b], log-probs [b]) for fp32 logits [b, vocab]; one generator per row (see module doc)."""
     greedy = temperature <= 0
     scale = torch.where(greedy, torch.ones_like(temperature), temperature)
-    logprobs = torch.log_softmax(logits.float() / scale[:, None], dim=-1)
+    scaled = logits.float() / scale[:, None]
+    logprobs = torch.log_softmax(scaled, dim=-1)
     if bool(greedy.all()):
         tokens = logprobs.argmax(dim=-1)
     else:
@@ -78,4 +81,6 @@ def sample(
         # A request's settings are fixed for its life, so greedy rows drawing or not never changes what
         # any sampled row draws.
         tokens = torch.where(greedy, logprobs.argmax(dim=-1), inverse_cdf_draw(probs, generators))
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    # The reported log-prob is the trainer's formula of the same logits (models/fused_logprobs.py), which differs
+    # from log_softmax's in the last bits: the same bits on both sides (issue 31).
+    return tokens, sampled_logprobs(scaled, tokens)
