@@ -195,6 +195,9 @@ class AgentProxy:
             except SessionError as e:
                 s.lock.release()
                 return err(api, str(e), e.status)
+            except Exception as e:  # noqa: BLE001 - a request this endpoint failed to read: its shape, not a trace
+                s.lock.release()
+                return err(api, f"the request could not be read: {type(e).__name__}: {str(e)[:300]}", 500)
             except BaseException:
                 s.lock.release()
                 raise
