@@ -32,7 +32,7 @@ demo: install
 # The CPU fast-path tests once more as an AVX2-only CPU runs them (no AVX-512, no native bf16): torch and oneDNN
 # take their AVX2 kernels, so a path that needs AVX-512 fails here even on a machine that has it (docs/design.md).
 AVX2_ONLY := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
-FAST_PATH_TESTS := tests/unit/engine/test_engine.py tests/unit/train/test_cpu_fast_paths.py \
+FAST_PATH_TESTS := tests/unit/engine/test_engine.py tests/unit/train/test_cpu_fast_paths.py tests/unit/train/test_bf16_agreement.py \
 	tests/unit/train/test_trainer.py tests/unit/config/test_precision.py tests/integration/test_precision_probe.py \
 	tests/unit/models/test_megatron_parity.py tests/integration/test_megatron_tp2.py \
 	tests/integration/test_engine_server.py
