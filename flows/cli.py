@@ -384,9 +384,11 @@ def entry() -> None:
     The garbage collector is switched off and its objects frozen before the interpreter's teardown: after a
     run, collecting the object graphs of torch, megatron and Prefect at exit took 2-3 s (SmolLM2, 2 cores), and
     the process's memory goes back to the system when it ends anyway. Reference counting, finalizers and atexit
-    handlers (the embedded Prefect server's stop, logging's flush) work as at any exit.
+    handlers (the embedded Prefect server's stop, logging's flush) work as at any exit. A flow command then exits
+    from the last atexit callback, without the interpreter's teardown of its modules (infra/proc.py
+    `exit_on_signals`): its signal handlers stay until the end, and no failed flush changes the code.
     """
-    from sluiceway.infra.proc import hold_if_stopping
+    from sluiceway.infra.proc import hold_if_stopping, set_exit_code
 
     _CONSOLE.append(True)
     try:
@@ -397,6 +399,7 @@ def entry() -> None:
             quiet_teardown(_RUN_DIR[0])
     finally:
         hold_if_stopping()  # a signal is ending the run: its exit code, not this one (infra/proc.py)
+    set_exit_code(code)  # a flow command ends with it after the atexit callbacks, before the interpreter's teardown
     gc.disable()
     gc.freeze()
     sys.exit(code)

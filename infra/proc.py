@@ -10,6 +10,7 @@ Also the one place that picks free loopback ports for the processes it starts.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import gc
 import os
@@ -145,20 +146,83 @@ def child_env(**extra: str) -> dict[str, str]:
 # Raising KeyboardInterrupt wherever the main thread happens to be (Python's default) is not a way to stop a run:
 # inside an import it leaves a half-imported module that fails later with another error (networkx's dispatch
 # registry: `KeyError: 'Algorithm already exists ...'`), inside a lock or a `finally` of Prefect's engine it can
-# hang the exit, and in a C call (gloo, deltalake) it waits for the call. Instead the first signal ends the run
-# the way a SIGKILL would, which every stage already survives (docs/reliability.md), but in order: the terminal
-# gets `interrupted` and nothing after it, every process of the run (engines, router, Prefect's server, the
-# trainer group and their children) is stopped, and the process exits 128 + the signal's number.
+# hang the exit, and in a C call (gloo, deltalake) it waits for the call. Stopping the children first and then
+# exiting is not one either: for those seconds the flow's other threads see engines and ranks die and store what
+# they make of it (a resume then trained on it: other weights than an uninterrupted run's).
+#
+# So the first signal ends the flow's process the way a SIGKILL would, which every stage already survives
+# (docs/reliability.md), but in order: the terminal gets `interrupted` and nothing after it, a reaper process of
+# its own is started with the process's descendants, the process exits 128 + the signal's number at once (every
+# thread with it), and the reaper stops every process of the run: those descendants and every process whose
+# environment carries the run's tag (engines, router, Prefect's server, the trainer group and their children),
+# SIGTERM first, SIGKILL after TERM_GRACE_S.
 #
 # The work is done by a thread that waits on a pipe: the C-level signal handler writes the signal's number to it
 # at once (signal.set_wakeup_fd), also while the main thread is in a long C call or under Prefect's own SIGTERM
 # handler. The main thread, when it next runs Python code, writes it too and then waits to be ended, so it can
 # neither raise in an import nor reach an exit of its own. The watchdog imports nothing and takes no lock the
-# main thread may hold (no logging, no sys.stderr): it only makes system calls.
+# main thread may hold (no logging, no sys.stderr): it only makes system calls. At the end of a command that was
+# not interrupted, the process exits with its code from the last atexit callback, before the interpreter's own
+# teardown resets the handlers (a signal in those last moments killed it: exit -15, not 143).
 
 RUN_TAG = "SLUICEWAY_RUN_PROCESS"  # in every child's environment: the run's processes, also once re-parented
 FLOW_COMMANDS = ("run", "sft", "replay", "eval", "resume")  # the commands whose signals end them this way
 TERM_GRACE_S = 3.0  # SIGTERM first (Prefect's server closes its database), SIGKILL whatever is left after this
+
+# The reaper: `python -I -S -c _REAPER TAG GRACE_S PID:STARTTIME ...`, only the standard library's builtins.
+_REAPER = r"""
+import os, signal, sys, time
+tag, grace = sys.argv[1], float(sys.argv[2])
+known = dict(a.split(":") for a in sys.argv[3:])
+me = str(os.getpid())
+needle = ("SLUICEWAY_RUN_PROCESS=" + tag + "\0").encode()
+def stat(pid):
+    try:
+        with open("/proc/" + pid + "/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+def ours(pid, fields):
+    if known.get(pid) == fields[19].decode():
+        return True
+    try:
+        with open("/proc/" + pid + "/environ", "rb") as f:
+            return needle in f.read() + b"\0"
+    except OSError:
+        return False
+def scan():
+    found = {}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and pid != me:
+            fields = stat(pid)
+            if fields and fields[0] not in (b"Z", b"X") and ours(pid, fields):
+                found[int(pid)] = int(fields[2])
+    return found
+def send(procs, sig):
+    for pid, pgid in procs.items():
+        try:
+            if pgid == pid:
+                os.killpg(pgid, sig)
+            else:
+                os.kill(pid, sig)
+        except OSError:
+            pass
+def wait(procs, seconds):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not any((f := stat(str(p))) and f[0] not in (b"Z", b"X") for p in procs):
+            return
+        time.sleep(0.05)
+procs = scan()
+send(procs, signal.SIGTERM)
+wait(procs, grace)
+for _ in range(2):
+    procs = scan()
+    if not procs:
+        break
+    send(procs, signal.SIGKILL)
+    wait(procs, 1.0)
+"""
 
 
 class _Stopper:
@@ -174,6 +238,7 @@ class _Stopper:
         self.log_path: str | None = None
         self.signum = 0
         self.woken = False
+        self.exit_code: int | None = None  # the command's, once `main` returned (flows/cli.py `entry`)
         self.thread = threading.Thread(target=self._watch, name="sluiceway-signals", daemon=True)
 
     def _watch(self) -> None:
@@ -205,15 +270,22 @@ class _Stopper:
         self.signum = signum
         gc.disable()  # no finalizer runs in this thread (it could wait on a lock the main thread holds)
         self._silence_terminal()
-        name = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}.get(signum, str(signum))
         _write_all(self.terminal_fd, b"interrupted\n")
-        self._log(f"interrupted by {name}: stopping the run's processes")
+        code = 128 + signum
+        name = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}.get(signum, str(signum))
         try:
-            stop_processes(self.tag, TERM_GRACE_S)
-        except BaseException:  # noqa: BLE001 - the exit below must happen whatever went wrong
-            pass
-        self._log(f"interrupted by {name}: exit {128 + signum}")
-        os._exit(128 + signum)
+            reaper = _start_reaper(self.tag, descendants(self.pid))
+        except BaseException:  # noqa: BLE001 - no reaper (no memory, no process left): stop them from here
+            reaper = None
+        if reaper is None:
+            self._log(f"interrupted by {name}: stopping the run's processes, then exit {code}")
+            try:
+                stop_processes(self.tag, TERM_GRACE_S)
+            except BaseException:  # noqa: BLE001 - the exit below must happen whatever went wrong
+                pass
+        else:
+            self._log(f"interrupted by {name}: exit {code}; process {reaper} stops the run's processes")
+        os._exit(code)
 
     def _silence_terminal(self) -> None:
         """Everything written to the terminal from now on goes nowhere: `interrupted` is the last line."""
@@ -265,6 +337,16 @@ def _write_all(fd: int, data: bytes) -> None:
         pass
 
 
+def _start_reaper(tag: str, known: dict[int, str]) -> int | None:
+    """The reaper (`_REAPER`) in a session of its own, silent, given `known` (pid -> start time); its pid."""
+    if not sys.platform.startswith("linux") or not sys.executable:
+        return None
+    devnull = [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)]
+    args = [sys.executable, "-I", "-S", "-c", _REAPER, tag, str(TERM_GRACE_S)]
+    args += [f"{pid}:{start}" for pid, start in known.items()]
+    return os.posix_spawn(sys.executable, args, os.environ, file_actions=devnull, setsid=True)
+
+
 def exit_on_signals(argv: list[str]) -> None:
     """For the `sluiceway` command: SIGINT and SIGTERM end the run as described above. Only for the flow commands
     (`FLOW_COMMANDS`, the first word of `argv`), from the main thread, once; anything else keeps Python's
@@ -281,6 +363,7 @@ def exit_on_signals(argv: list[str]) -> None:
         signal.signal(sig, stopper.on_signal)
     signal.set_wakeup_fd(stopper.write_fd, warn_on_full_buffer=False)
     os.register_at_fork(after_in_child=_forget_in_child)
+    atexit.register(_exit_with_the_code)  # registered first: runs last, after Prefect's and logging's
 
 
 def _forget_in_child() -> None:
@@ -294,6 +377,28 @@ def _forget_in_child() -> None:
     except (ValueError, OSError):
         pass
     _stopper.clear()
+
+
+def set_exit_code(code: int) -> None:
+    """The command's exit code (flows/cli.py `entry`, before sys.exit): `_exit_with_the_code` ends with it."""
+    if _stopper:
+        _stopper[0].exit_code = code
+
+
+def _exit_with_the_code() -> None:
+    """The last atexit callback: every other one ran (Prefect's server stopped, the logs flushed); exit now with the
+    command's code, while the handlers are still ours. What the interpreter's teardown would do next (reset the
+    handlers, clear modules, flush stdio) can only lose a signal or fail the code (exit 120)."""
+    if not _stopper or os.getpid() != _stopper[0].pid or _stopper[0].exit_code is None:
+        return
+    hold_if_stopping()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a full disk or a closed pipe: the code is the command's anyway
+            pass
+    hold_if_stopping()
+    os._exit(_stopper[0].exit_code)
 
 
 def stopping() -> bool:
@@ -314,8 +419,8 @@ def note_run_log(path: str | os.PathLike) -> None:
         _stopper[0].log_path = os.fspath(path)
 
 
-def _proc_table() -> dict[int, tuple[int, int, str]]:
-    """pid -> (ppid, pgid, state) of every process (Linux /proc; empty elsewhere)."""
+def _proc_table() -> dict[int, tuple[int, int, str, str]]:
+    """pid -> (ppid, pgid, state, start time) of every process (Linux /proc; empty elsewhere)."""
     table = {}
     try:
         entries = os.listdir("/proc")
@@ -327,10 +432,26 @@ def _proc_table() -> dict[int, tuple[int, int, str]]:
         try:
             with open(f"/proc/{entry}/stat", "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
+            table[int(entry)] = (int(fields[1]), int(fields[2]), fields[0].decode(), fields[19].decode())
+        except (OSError, IndexError, ValueError):
             continue
-        table[int(entry)] = (int(fields[1]), int(fields[2]), fields[0].decode())
     return table
+
+
+def descendants(pid: int, table: dict | None = None) -> dict[int, str]:
+    """Live descendants of `pid`: pid -> start time (which tells a pid reused meanwhile from the one seen)."""
+    table = _proc_table() if table is None else table
+    children: dict[int, list[int]] = {}
+    for child, (ppid, _, _, _) in table.items():
+        children.setdefault(ppid, []).append(child)
+    found: dict[int, str] = {}
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found and table[child][2] not in ("Z", "X"):
+                found[child] = table[child][3]
+                todo.append(child)
+    return found
 
 
 def run_processes(tag: str) -> dict[int, int]:
@@ -338,16 +459,7 @@ def run_processes(tag: str) -> dict[int, int]:
     whose environment holds RUN_TAG=tag (the run's children once re-parented, their children)."""
     me = os.getpid()
     table = _proc_table()
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    found, todo = set(), [me]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    found |= set(processes_with_env(RUN_TAG, tag))
+    found = set(descendants(me, table)) | set(processes_with_env(RUN_TAG, tag))
     found.discard(me)
     return {pid: table[pid][1] for pid in found if pid in table and table[pid][2] not in ("Z", "X")}
 
@@ -373,8 +485,9 @@ def _alive(pid: int) -> bool:
 
 
 def stop_processes(tag: str, grace_s: float = TERM_GRACE_S) -> None:
-    """SIGTERM every process of the run (`run_processes`), SIGKILL what is left after `grace_s` (and what was
-    started meanwhile), and wait a moment for them to go."""
+    """From this process (when no reaper could be started): SIGTERM every process of the run
+    (`run_processes`), SIGKILL what is left after `grace_s` (and what was started meanwhile), and wait a moment
+    for them to go."""
     procs = run_processes(tag)
     _signal_all(procs, signal.SIGTERM)
     deadline = time.monotonic() + grace_s

@@ -95,7 +95,7 @@ def test_the_first_signal_ends_the_process_and_its_children(tmp_path, where, sig
     assert time.monotonic() - sent < 10
     log = (tmp_path / "run.log").read_text()
     name = signal.Signals(sig).name
-    assert f"interrupted by {name}: stopping the run's processes" in log and f"exit {128 + sig}" in log
+    assert f"interrupted by {name}: exit {128 + sig}; process " in log and "stops the run's processes" in log
 
 
 def test_commands_other_than_a_run_keep_keyboard_interrupt():
@@ -125,3 +125,38 @@ print("parent alive")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and out.stdout == "parent alive\n", out.stderr
+
+
+END = """
+import atexit, sys, time
+from sluiceway.infra.proc import exit_on_signals, set_exit_code
+exit_on_signals(["run"])
+atexit.register(lambda: time.sleep(float(sys.argv[1])))  # runs before exit_on_signals' own: Prefect's server stop
+print("done: the run's output", flush=sys.argv[2] == "flush")
+sys.stdout.write("buffered, unflushed")
+set_exit_code(3)
+sys.exit(3)
+"""
+
+
+def test_a_signal_during_the_exit_of_a_finished_run_is_still_interrupted():
+    """The handlers stay until the process ends: before, the interpreter's teardown reset them and a SIGTERM in
+    its last moments killed the process (exit -15)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", END, "2", "flush"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline() == "done: the run's output\n"
+    time.sleep(0.5)  # in the atexit callbacks
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 143 and err == "interrupted\n", (proc.returncode, err)
+
+
+def test_the_command_exits_with_its_code_even_where_stdout_cannot_be_flushed():
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout block-buffered, as by default
+    proc = subprocess.Popen(
+        [sys.executable, "-c", END, "0", "no"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
+    proc.stdout.close()  # the reader is gone: flushing stdout at exit fails (EPIPE), as on a full disk (ENOSPC)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3, err  # 120 is CPython's code for a failed flush at exit
