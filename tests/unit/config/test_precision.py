@@ -72,4 +72,4 @@ def test_the_choice_is_one_log_line_when_the_flow_starts(monkeypatch, caplog):
     with caplog.at_level("INFO", logger="sluiceway"):
         resolve_precision(cfg)  # the flow, with the already resolved config
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and lines[0].startswith("precision: fp32 (auto: bf16 matrix products run at 0.01x")
+    assert len(lines) == 1 and lines[0].startswith("precision: fp32 (auto: a layer's training and decode work runs at only 0.01x")
