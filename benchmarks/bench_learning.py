@@ -113,12 +113,21 @@ def main() -> None:
     a = ap.parse_args()
     work = a.work or Path(tempfile.mkdtemp(prefix="bench-learning-"))
     work.mkdir(parents=True, exist_ok=True)
-    results = []
+    # Every finished run is appended to WORK/results.jsonl and the table is made of all of them: a benchmark
+    # stopped between runs goes on with the runs still missing (--seeds / --variants) in the same --work.
+    saved = work / "results.jsonl"
     for seed in a.seeds:
         for variant in a.variants:
             r = run(variant, seed, a.steps, a.eval_every, work)
-            results.append(r)
-            print(json.dumps({k: v for k, v in r.items() if k != "metric_names"}), flush=True)
+            line = json.dumps({k: v for k, v in r.items() if k != "metric_names"})
+            print(line, flush=True)
+            with saved.open("a") as f:
+                f.write(line + "\n")
+    results = [json.loads(x) for x in saved.read_text().splitlines() if x.strip()]
+    for r in results:  # JSON turned the step keys into strings
+        for key in ("eval_reward", "eval_pass1", "mismatch"):
+            r[key] = {int(k): v for k, v in r[key].items()}
+    results.sort(key=lambda r: (list(VARIANTS).index(r["variant"]), r["seed"]))
     text = table(results, a.steps)
     print(text)
     if a.write:
