@@ -202,8 +202,8 @@ def choose(requested: str, device: str = "cpu") -> Choice:
         return Choice(
             "bf16",
             f"auto: a layer's training and decode work runs {p.speedup:.1f}x fp32's rate in bf16 here ({rates}) on "
-            f"{cpu_description()}; the engine and the trainer give a token the same log-prob in bf16, and bf16 "
-            "learns as fp32 does on docs/benchmarks.md's learning benchmark",
+            f"{cpu_description()}; in bf16 the engine and the trainer give a token the same log-prob (learning against "
+            "fp32: docs/benchmarks.md)",
         )
     return Choice(
         "fp32",
