@@ -555,12 +555,6 @@ class DurabilityConfig(_Group):
         "under the run lease's 150 s, storage/run_lock.py, which a run that cannot reach its store loses).",
     )
 
-    def retry_delays(self) -> list[float]:
-        """The waits before each retry (flows/retry.py `retry_delays`)."""
-        from sluiceway.flows.retry import retry_delays
-
-        return retry_delays(self.retry_backoff_s, self.stage_retries, self.retry_budget_s)
-
 
 class EvalConfig(_Group):
     eval_interval: int | None = Field(None, ge=1, description="Evaluate every N rollout steps.")

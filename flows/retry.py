@@ -62,7 +62,12 @@ def retry_transient(task, task_run, state) -> bool:
 MAX_RETRY_DELAY_S = 30.0  # doubling stops here: an outage's end is noticed within this long
 
 
-def retry_delays(backoff_s: float, retries: int | None, budget_s: float) -> list[float]:
+def retry_delays(durability) -> list[float]:
+    """The waits before each retry of a run's `durability` settings (flows/config.py DurabilityConfig)."""
+    return backoff_delays(durability.retry_backoff_s, durability.stage_retries, durability.retry_budget_s)
+
+
+def backoff_delays(backoff_s: float, retries: int | None, budget_s: float) -> list[float]:
     """backoff_s, 2 x backoff_s, ... (each at most MAX_RETRY_DELAY_S, or backoff_s if larger): `retries` of them,
     or, when retries is None, as many as it takes for the waits to add up to `budget_s` (issue 30: three retries
     of 2 + 4 + 8 s gave up on an object store down for 30 s). A zero backoff retries at once, `retries` times or

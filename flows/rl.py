@@ -21,7 +21,7 @@ from sluiceway.flows.artifacts import RunArtifacts
 from sluiceway.flows.config import RunConfig
 from sluiceway.flows.logging_backends import MetricLoggers
 from sluiceway.flows.precision import resolve_precision
-from sluiceway.flows.retry import call_retrying, retry_transient
+from sluiceway.flows.retry import call_retrying, retry_delays, retry_transient
 from sluiceway.flows.scaffold import checkpoint_due, run_locked
 from sluiceway.infra.errors import Fault
 from sluiceway.storage.maintenance import maintain_run
@@ -256,8 +256,8 @@ class _Stages:
     def __init__(self, cfg: RunConfig):
         d = cfg.durability
         retry = dict(
-            retries=len(d.retry_delays()),
-            retry_delay_seconds=d.retry_delays() or 0,
+            retries=len(delays := retry_delays(d)),
+            retry_delay_seconds=delays or 0,
             retry_condition_fn=retry_transient,
         )
         self.cfg = cfg
@@ -366,7 +366,7 @@ def _run_steps(cfg: RunConfig) -> dict:
                 m["opd/teacher_requests"] = 0.0 if tea.get("resumed") else float(tea["requests"])
                 m["opd/teacher_stored"] = float(tea["stored"])
             d = cfg.durability
-            call_retrying(append_metrics, rt.store, cfg.run_id, step, m, "train", delays=d.retry_delays(),
+            call_retrying(append_metrics, rt.store, cfg.run_id, step, m, "train", delays=retry_delays(d),
                           what=f"storing step {step + 1}'s metrics")  # fmt: skip
             history.append(m)
             loggers.log(step, m)

@@ -66,14 +66,14 @@ def test_retry_delays_span_the_budget_and_the_lease_outlives_them():
     """Issue 30: retries of 2 + 4 + 8 s gave up on an object store down for 30 s. By default the waits double from
     --retry-backoff-s up to 30 s each until they add up to --retry-budget-s; --stage-retries gives an exact count."""
     from sluiceway.flows.config import DurabilityConfig
-    from sluiceway.flows.retry import retry_delays
+    from sluiceway.flows.retry import backoff_delays, retry_delays
     from sluiceway.storage.run_lock import LEASE_TTL_S
 
-    assert retry_delays(2.0, None, 90.0) == [2, 4, 8, 16, 30, 30]  # 90 s: a minute-long outage is ridden out
-    assert retry_delays(2.0, 3, 90.0) == [2, 4, 8]
-    assert retry_delays(45.0, None, 60.0) == [45, 45]  # a first delay above the cap is kept, never shortened
-    assert retry_delays(0.0, None, 60.0) == [] and retry_delays(0.0, 2, 60.0) == [0, 0]
-    default = DurabilityConfig().retry_delays()
+    assert backoff_delays(2.0, None, 90.0) == [2, 4, 8, 16, 30, 30]  # 90 s: a minute-long outage is ridden out
+    assert backoff_delays(2.0, 3, 90.0) == [2, 4, 8]
+    assert backoff_delays(45.0, None, 60.0) == [45, 45]  # a first delay above the cap is kept, never shortened
+    assert backoff_delays(0.0, None, 60.0) == [] and backoff_delays(0.0, 2, 60.0) == [0, 0]
+    default = retry_delays(DurabilityConfig())
     assert sum(default) >= 60 and sum(default) < LEASE_TTL_S  # the run keeps its lease while it retries
 
 
