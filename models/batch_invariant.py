@@ -11,6 +11,8 @@ torch 2.13's CPU kernels (AVX-512 and AVX2):
   tail apart, and the product of probabilities and values sums a short tail of keys in another order.
   `masked_attention` pads the keys to a multiple of 64 (masked, zero values): a row gets the same bits at any
   span, whether the engine's cache gives it 27 keys or the trainer's sequence 28;
+- a sum over the last dimension of fewer rows than threads splits each row between the threads (another
+  order): `row_sums` gives every row a thread's worth of company;
 - the rest (norms, RoPE, SwiGLU, the scores' product) was found invariant as it is.
 """
 
@@ -42,6 +44,16 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, forbidden: Tensor, scale: 
     scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
     probs = torch.softmax(scores.masked_fill_(forbidden, float("-inf")), dim=-1)
     return torch.matmul(probs.to(v.dtype), v)
+
+
+def row_sums(x: Tensor) -> Tensor:
+    """x.sum(-1) for a 2-D x, the same bits for a row whatever the number of rows (fewer rows than torch's threads
+    are padded with copies of the first, so the reduction runs one row a thread)."""
+    threads = torch.get_num_threads()
+    n = x.size(0)
+    if 0 < n < threads:
+        return torch.cat([x, x[:1].expand(threads - n, -1)]).sum(-1)[:n]
+    return x.sum(-1)
 
 
 def single_row_safe(x: Tensor) -> tuple[Tensor, bool]:
