@@ -55,12 +55,14 @@ import random
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "killed")
 UID_RANGE = (1_000_000, 1_999_999)
@@ -200,6 +202,17 @@ exec(compile(open("main.py", "rb").read(), "main.py", "exec"), {"__name__": "__m
 _NS_PROBE: tuple[bool, str] | None = None
 _NS_LOCK = threading.Lock()
 _UNSHARE_ARGS = ["--net", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc"]
+
+
+def _traversable_tmp() -> str | None:
+    """A temporary directory the sandbox's unprivileged uid can reach: the system's, unless a parent of it may not
+    be traversed by others (a private TMPDIR, 0700), then /tmp (a fresh machine's `make test` found this: every
+    sandboxed run failed to start under a private TMPDIR). None: tempfile's choice, if nothing better exists."""
+    base = Path(tempfile.gettempdir()).resolve()
+    for candidate in (base, Path("/tmp")):
+        if all(p.stat().st_mode & stat.S_IXOTH for p in (candidate, *candidate.parents) if p.exists()):
+            return str(candidate)
+    return None
 
 
 def namespaces_available() -> tuple[bool, str]:
@@ -357,7 +370,7 @@ def _run(
         "nproc": int(max_processes),
         "fsize": int(max_file_mb) << 20,
     }
-    outer = tempfile.mkdtemp(prefix="sluiceway_sandbox_")
+    outer = tempfile.mkdtemp(prefix="sluiceway_sandbox_", dir=_traversable_tmp())
     status_r = status_w = None
     proc = None
     try:
