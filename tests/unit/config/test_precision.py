@@ -40,7 +40,7 @@ def test_explicit_precision_is_kept(monkeypatch):
         assert cfg.training.bf16 is want
 
 
-@pytest.mark.parametrize(("bf16_gflops", "want"), [(800.0, "bf16"), (250.0, "bf16"), (210.0, "fp32"), (2.8, "fp32")])
+@pytest.mark.parametrize(("bf16_gflops", "want"), [(800.0, "bf16"), (400.0, "bf16"), (310.0, "fp32"), (210.0, "fp32"), (2.8, "fp32")])
 def test_auto_follows_the_measured_rates(monkeypatch, bf16_gflops, want):
     monkeypatch.setattr(precision, "probe_cpu", lambda refresh=False: precision.CpuProbe(200.0, bf16_gflops, 2))
     cfg = resolve_precision(cfg_from(["run", "--prompt-data", "env:arithmetic"]))
