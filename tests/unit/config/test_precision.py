@@ -40,7 +40,9 @@ def test_explicit_precision_is_kept(monkeypatch):
         assert cfg.training.bf16 is want
 
 
-@pytest.mark.parametrize(("bf16_gflops", "want"), [(800.0, "bf16"), (400.0, "bf16"), (310.0, "fp32"), (210.0, "fp32"), (2.8, "fp32")])
+@pytest.mark.parametrize(
+    ("bf16_gflops", "want"), [(800.0, "bf16"), (400.0, "bf16"), (310.0, "fp32"), (210.0, "fp32"), (2.8, "fp32")]
+)
 def test_auto_follows_the_measured_rates(monkeypatch, bf16_gflops, want):
     monkeypatch.setattr(precision, "probe_cpu", lambda refresh=False: precision.CpuProbe(200.0, bf16_gflops, 2))
     cfg = resolve_precision(cfg_from(["run", "--prompt-data", "env:arithmetic"]))
@@ -72,4 +74,5 @@ def test_the_choice_is_one_log_line_when_the_flow_starts(monkeypatch, caplog):
     with caplog.at_level("INFO", logger="sluiceway"):
         resolve_precision(cfg)  # the flow, with the already resolved config
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and lines[0].startswith("precision: fp32 (auto: a layer's training and decode work runs at only 0.01x")
+    want = "precision: fp32 (auto: a layer's training and decode work runs at only 0.01x"
+    assert len(lines) == 1 and lines[0].startswith(want)
