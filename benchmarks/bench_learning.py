@@ -1,7 +1,7 @@
 """Does bf16 learn as fp32 does? GRPO on SmolLM2-135M-Instruct, held-out reward and pass@1 (issue 31).
 
 A task of the project's own where the model starts low: `env:arithmetic:2` (2-digit sums, "reply with just the
-number"), trained for --steps steps of 8 prompts x 4 samples; held out: 32 other arithmetic prompts (a seed
+number"), trained for --steps steps of 8 prompts x 4 samples; held out: --held-out (64) other arithmetic prompts (a seed
 the training set never uses, any overlap removed), 4 samples each at the rollout temperature, evaluated before
 training and every --eval-every steps. Each variant runs for every seed, one after the other on this machine:
 
@@ -55,17 +55,17 @@ def held_out_file(path: Path, train_seed: int, env_size: int, n: int = 32) -> Pa
     return path
 
 
-def run(variant: str, seed: int, steps: int, eval_every: int, work: Path) -> dict:
+def run(variant: str, seed: int, steps: int, eval_every: int, work: Path, n_held: int) -> dict:
     run_dir = work / f"{variant}-s{seed}"
     env_size = 256
-    held = held_out_file(work / f"heldout-s{seed}.jsonl", seed, env_size)
+    held = held_out_file(work / f"heldout-s{seed}.jsonl", seed, env_size, n_held)
     args = [
         sys.executable, "-m", "sluiceway.flows.cli", "run", "--hf-checkpoint", "smollm2-135m-instruct",
         "--prompt-data", TASK, "--env-size", str(env_size), "--seed", str(seed),
         "--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--global-batch-size", "32",
         "--micro-batch-size", "8", "--rollout-max-response-len", "48", "--rollout-temperature", "0.7",
         "--lr", "1e-5", "--num-rollout", str(steps), "--output-dir", str(run_dir),
-        "--eval-prompt-data", "heldout", str(held), "--eval-interval", str(eval_every), "--eval-size", "32",
+        "--eval-prompt-data", "heldout", str(held), "--eval-interval", str(eval_every), "--eval-size", str(n_held),
         "--n-samples-per-eval-prompt", "4", *VARIANTS[variant],
     ]  # fmt: skip
     t0 = time.perf_counter()
@@ -102,11 +102,29 @@ def table(results: list[dict], steps: int) -> str:
     return "\n".join(lines)
 
 
+def spread(results: list[dict], steps: int) -> str:
+    """Per variant over its seeds: the last evaluation's reward, mean and range, and seconds per step."""
+    last = max(s for r in results for s in r["eval_reward"])
+    lines = [f"| variant | seeds | reward @{last}: mean | min - max | reward @0: mean | wall s / step (mean) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for variant in VARIANTS:
+        rs = [r for r in results if r["variant"] == variant and last in r["eval_reward"]]
+        if not rs:
+            continue
+        end = [r["eval_reward"][last] for r in rs]
+        start = [r["eval_reward"].get(0, float("nan")) for r in rs]
+        per_step = statistics.fmean(r["wall_s"] / steps for r in rs)
+        lines.append(f"| {variant} | {len(rs)} | {statistics.fmean(end):.3f} | {min(end):.3f} - {max(end):.3f} | "
+                     f"{statistics.fmean(start):.3f} | {per_step:.1f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--eval-every", type=int, default=6)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[7, 8])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[7, 8, 9, 10])
+    ap.add_argument("--held-out", type=int, default=64, help="held-out prompts (4 samples each)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--work", type=Path, default=None, help="run directories (default: a temporary directory)")
     ap.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md")
@@ -118,7 +136,7 @@ def main() -> None:
     saved = work / "results.jsonl"
     for seed in a.seeds:
         for variant in a.variants:
-            r = run(variant, seed, a.steps, a.eval_every, work)
+            r = run(variant, seed, a.steps, a.eval_every, work, a.held_out)
             line = json.dumps({k: v for k, v in r.items() if k != "metric_names"})
             print(line, flush=True)
             with saved.open("a") as f:
@@ -128,14 +146,14 @@ def main() -> None:
         for key in ("eval_reward", "eval_pass1", "mismatch"):
             r[key] = {int(k): v for k, v in r[key].items()}
     results.sort(key=lambda r: (list(VARIANTS).index(r["variant"]), r["seed"]))
-    text = table(results, a.steps)
+    text = table(results, a.steps) + "\n\n" + spread(results, a.steps)
     print(text)
     if a.write:
         section = (
             "## bf16 against fp32: does it learn as fast? (issue 31, smollm2-135m-instruct)\n\n"
             f"`benchmarks/bench_learning.py`: GRPO on `{TASK}` (2-digit sums), {a.steps} steps of 8 prompts x 4 "
             "samples, "
-            "lr 1e-5, T 0.7; held-out reward and pass@1 on 32 other arithmetic prompts x 4 samples, evaluated "
+            f"lr 1e-5, T 0.7; held-out reward and pass@1 on {a.held_out} other arithmetic prompts x 4 samples, evaluated "
             f"every {a.eval_every} steps (@0 is before training). Wall time per step includes the evaluations. "
             "The variants ran one after the other on the same machine.\n\n" + text + "\n"
         )
