@@ -153,8 +153,9 @@ def main() -> None:
             "## bf16 against fp32: does it learn as fast? (issue 31, smollm2-135m-instruct)\n\n"
             f"`benchmarks/bench_learning.py`: GRPO on `{TASK}` (2-digit sums), {a.steps} steps of 8 prompts x 4 "
             "samples, "
-            f"lr 1e-5, T 0.7; held-out reward and pass@1 on {a.held_out} other arithmetic prompts x 4 samples, evaluated "
-            f"every {a.eval_every} steps (@0 is before training). Wall time per step includes the evaluations. "
+            f"lr 1e-5, T 0.7; held-out reward and pass@1 on {a.held_out} other arithmetic prompts x 4 samples, "
+            f"evaluated every {a.eval_every} steps (@0 is before training). Wall time per step includes the "
+            "evaluations. "
             "The variants ran one after the other on the same machine.\n\n" + text + "\n"
         )
         bench_doc.write_section(section, section.split("\n", 1)[0], bench_doc.DOC)
