@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from bench_doc import DOC, write_section  # noqa: E402  (benchmarks/ is the script's own directory)
 
-from sluiceway.infra.engine import Engine, GenerateRequest, SamplingParams
-from sluiceway.infra.engine.core import dtype_from_name
+from sluiceway.models.engine import Engine, GenerateRequest, SamplingParams
+from sluiceway.models.engine.core import dtype_from_name
 from sluiceway.models.zoo import load_hf_model, load_tokenizer, resolve_checkpoint
 
 SECTION = "## Embedded engine vs transformers generate"

@@ -248,7 +248,7 @@ def merge_paths(lora: dict, merged: dict, model_dir: Path, work: Path) -> list[d
     """The two runs' first versions (both trained on step 0's identical samples), side by side: the `lora-merged`
     run's bf16 version against the `lora` run's adapter merged into the trainer's bf16 base (`merge_into_hf` on the
     base rounded to bf16, as the trainer's hf_state_dict does; equal when both runs trained the same adapter), and
-    against the embedded engine's merge of that adapter (infra/engine/core.py: the base model's own safetensors
+    against the embedded engine's merge of that adapter (models/engine/core.py: the base model's own safetensors
     from disk, the adapter folded in, then rounded to the engine's bf16): the share of bf16 elements that differ."""
     import torch
 
@@ -494,7 +494,7 @@ def render(args, runs, ok0, sample_notes, load_before, load_after, total_s) -> t
             f"in either run (GRPO without a KL loss: reference {first(full, 'reference_model')}/"
             f"{first(lo, 'reference_model')}). The engine process peaks at {mb(lo['engine_hwm'])} MB under "
             f"`--lora-sync adapter` against {mb(full['engine_hwm'])} MB: on each adapter version it reads its base "
-            "model's safetensors (fp32 on disk here) again and merges the adapter into them (infra/engine/core.py "
+            "model's safetensors (fp32 on disk here) again and merges the adapter into them (models/engine/core.py "
             "`update_weights_from_disk`), so it briefly holds that copy beside the weights it serves."
             + (
                 f" With `--lora-sync merged` the trainer peaks at {mb(by['lora-merged']['trainer_hwm'])} MB: it "

@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:24s} {entry.description}")
             return 0
         if args.command == "engine":
-            from sluiceway.infra.engine.server import serve
+            from sluiceway.models.engine.server import serve
 
             if args.max_running_requests < 1 or args.max_total_len < 2:
                 raise UserError("engine: --max-running-requests must be >= 1 and --max-total-len >= 2")

@@ -18,8 +18,8 @@ from sluiceway.infra.aio import BackgroundLoop
 from sluiceway.infra.pool import EnginePool
 from sluiceway.infra.proc import child_env
 from sluiceway.infra.router import HOST, SGLangRouter
-from sluiceway.infra.sglang_launcher import lora_server_args, require_sglang, sglang_server_command
-from sluiceway.models.lora import is_adapter_dir
+from sluiceway.infra.sglang_launcher import require_sglang, sglang_server_command
+from sluiceway.models.lora import is_adapter_dir, lora_server_args
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.weights import WeightStore
 from sluiceway.tasks.rollout.client import EngineClient

@@ -6,7 +6,7 @@ measured here under torch's and oneDNN's AVX2 code paths, 2.8 GFLOP/s in bf16 ag
 so a bf16 run there would spend minutes on what fp32 does in seconds. CPU flags alone do not tell: the
 `ATEN_CPU_CAPABILITY` / `ONEDNN_MAX_CPU_ISA` variables (or a torch build without the kernels) change what runs
 without changing /proc/cpuinfo. So on CPU the choice comes from a short measurement, the way
-`infra/engine/packed_linear.available` probes its ops: one transformer layer's training and decode work at
+`models/engine/packed_linear.available` probes its ops: one transformer layer's training and decode work at
 SmolLM2's widths in each dtype (not one matrix product: that said 3.9x where whole steps ran 1.2-1.3x faster,
 issue 31), cached per machine (CPU, torch version, those variables, thread count) under the sluiceway cache.
 bf16 must win by MIN_SPEEDUP; that it learns as fp32 does is docs/benchmarks.md's learning benchmark, and that

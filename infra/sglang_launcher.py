@@ -54,18 +54,6 @@ def sglang_server_command(
     return cmd + list(extra_args)
 
 
-def lora_server_args(cfg) -> list[str]:
-    """SGLang's LoRA serving flags when each weight version is a LoRA adapter (--lora-sync adapter): dynamic
-    loading needs the largest rank and the target modules fixed at start."""
-    t = cfg.training
-    if not t.lora_rank or cfg.sync.lora_sync != "adapter":
-        return []
-    from sluiceway.models.lora import resolve_targets
-
-    return ["--enable-lora", "--max-lora-rank", str(t.lora_rank),
-            "--lora-target-modules", *resolve_targets(t.target_modules)]  # fmt: skip
-
-
 def require_sglang() -> None:
     if importlib.util.find_spec("sglang") is None:
         raise UserError(

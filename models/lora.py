@@ -355,3 +355,13 @@ def read_adapter_dir(path: str | Path) -> tuple[LoraSpec, dict[str, Tensor]]:
     adapter = {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
                for k, v in adapter.items()}  # fmt: skip
     return spec, adapter
+
+
+def lora_server_args(cfg) -> list[str]:
+    """SGLang's LoRA serving flags when each weight version is a LoRA adapter (--lora-sync adapter): dynamic
+    loading needs the largest rank and the target modules fixed at start."""
+    t = cfg.training
+    if not t.lora_rank or cfg.sync.lora_sync != "adapter":
+        return []
+    return ["--enable-lora", "--max-lora-rank", str(t.lora_rank),
+            "--lora-target-modules", *resolve_targets(t.target_modules)]  # fmt: skip

@@ -89,7 +89,7 @@ def write_adapter_version(
 ) -> Path:
     """A LoRA adapter version under `root`: peft's adapter directory (adapter_config.json with the base model's
     directory as base_model_name_or_path, adapter_model.safetensors in fp32). Engines merge it into their own base
-    weights on load (infra/engine/core.py) or load it as a LoRA adapter (SGLang). Written under a temporary name
+    weights on load (models/engine/core.py) or load it as a LoRA adapter (SGLang). Written under a temporary name
     and renamed, like a full version; the newest `keep` stay."""
     from sluiceway.models.lora import write_adapter_dir
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sluiceway.infra.engine import Engine, GenerateRequest, SamplingParams, packed_linear
-from sluiceway.infra.engine.core import stream
-from sluiceway.infra.engine.kv_cache import SlotKVCache
-from sluiceway.infra.engine.llama import LlamaRunner, attention
+from sluiceway.models.engine import Engine, GenerateRequest, SamplingParams, packed_linear
+from sluiceway.models.engine.core import stream
+from sluiceway.models.engine.kv_cache import SlotKVCache
+from sluiceway.models.engine.llama import LlamaRunner, attention
 from sluiceway.models.zoo import load_hf_model, load_hf_state_dict, resolve_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")

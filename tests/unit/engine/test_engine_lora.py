@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from sluiceway.infra.engine import Engine, GenerateRequest, SamplingParams
+from sluiceway.models.engine import Engine, GenerateRequest, SamplingParams
 from sluiceway.models.lora import LoraAdapters, LoraSpec, merge_into_hf, write_adapter_dir
 from sluiceway.models.megatron_gpt import init_parallel_state
 from sluiceway.models.zoo import load_hf_state_dict, resolve_checkpoint
@@ -73,7 +73,7 @@ def test_adapter_version_serves_as_the_merged_model(model_dir, tmp_path):
 
 
 def test_an_adapter_that_does_not_fit_leaves_the_weights_serving(model_dir, tmp_path):
-    from sluiceway.infra.engine.core import EngineError
+    from sluiceway.models.engine.core import EngineError
 
     adapter = random_adapter(model_dir, 1)
     adapter["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"] = torch.zeros(3, 8)

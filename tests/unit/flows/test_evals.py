@@ -9,9 +9,9 @@ import torch
 
 from sluiceway.flows.cli import make_parser, resolve_config
 from sluiceway.flows.report import render
-from sluiceway.infra.engine import Engine, GenerateRequest, SamplingParams
-from sluiceway.infra.engine.sampling import TOP_K_ALL, sample
 from sluiceway.infra.errors import UserError
+from sluiceway.models.engine import Engine, GenerateRequest, SamplingParams
+from sluiceway.models.engine.sampling import TOP_K_ALL, sample
 from sluiceway.models.zoo import load_hf_model, resolve_checkpoint
 from sluiceway.storage.evals import EVALS, append_eval_samples, read_evals
 from sluiceway.storage.metrics import append_metrics

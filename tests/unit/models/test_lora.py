@@ -154,7 +154,7 @@ def test_config_knows_the_same_target_names():
 def test_sglang_engines_start_with_lora_serving_flags():
     from types import SimpleNamespace as NS
 
-    from sluiceway.infra.sglang_launcher import lora_server_args
+    from sluiceway.models.lora import lora_server_args
 
     def cfg(rank, sync="adapter", targets=("linear_qkv", "down_proj")):
         return NS(training=NS(lora_rank=rank, target_modules=list(targets)), sync=NS(lora_sync=sync))

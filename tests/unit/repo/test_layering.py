@@ -4,7 +4,8 @@
     tasks/    the stages' plain logic; may import storage/, models/, infra/ and, of flows/, only the config
     storage/  tables and object stores  \
     models/   model code and loading     } never import tasks/; of flows/, only the config
-    infra/    processes and places       /
+    infra/    processes and places       /  and never models/: models/ sits above infra/ (the embedded engine,
+                                            models/engine/, runs the models; infra/ only starts it as a process)
     flows/config.py imports nothing of the project but the error type (infra/errors.py); infra's leaf modules
     (errors, proc, cache) import nothing of the project.
 """
@@ -65,6 +66,12 @@ def test_config_imports_nothing_of_the_project_but_the_error_type_and_plugin_loa
     # plugins: --custom-tis-function-path is imported and checked when the config is read; it needs only errors.
     assert project_imports(ROOT / "flows" / "config.py") == {"sluiceway.infra.errors", "sluiceway.infra.plugins"}
     assert project_imports(ROOT / "infra" / "plugins.py") == {"sluiceway.infra.errors"}
+
+
+def test_infra_never_imports_models():
+    bad = {f"{p.relative_to(ROOT)} imports {m}" for p in modules("infra") for m in project_imports(p)
+           if m.startswith("sluiceway.models")}  # fmt: skip
+    assert not bad, sorted(bad)
 
 
 @pytest.mark.parametrize("leaf", ["infra/errors.py", "infra/proc.py", "infra/cache.py"])

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sluiceway.infra.engine.llama import LlamaRunner
+from sluiceway.models.engine.llama import LlamaRunner
 from sluiceway.models.zoo import load_hf_model, load_hf_state_dict, resolve_checkpoint
 from sluiceway.storage.digests import file_sha256
 from sluiceway.storage.weights import safetensors_raw

@@ -18,7 +18,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
-from sluiceway.infra.engine.core import Engine, GenerateRequest, SamplingParams
+from sluiceway.models.engine.core import Engine, GenerateRequest, SamplingParams
 from sluiceway.tasks.train.batch import TrainSample
 from sluiceway.tasks.train.collation import collate
 from sluiceway.tasks.train.trainer import PolicyTrainer

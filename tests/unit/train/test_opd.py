@@ -8,8 +8,8 @@ import torch
 from fastapi.testclient import TestClient
 from trainer_helpers import make_trainer
 
-from sluiceway.infra.engine import Engine, GenerateRequest, SamplingParams
-from sluiceway.infra.engine.server import build_app
+from sluiceway.models.engine import Engine, GenerateRequest, SamplingParams
+from sluiceway.models.engine.server import build_app
 from sluiceway.tasks.train.batch import TrainSample
 from sluiceway.tasks.train.collation import collate
 from sluiceway.tasks.train.opd import micro_batch_opd, opd_advantages

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from sluiceway.infra.engine.kv_cache import SlotKVCache
-from sluiceway.infra.engine.llama import LlamaRunner
-from sluiceway.infra.engine.sampling import sample
+from sluiceway.models.engine.kv_cache import SlotKVCache
+from sluiceway.models.engine.llama import LlamaRunner
+from sluiceway.models.engine.sampling import sample
 
 
 class EngineError(ValueError):

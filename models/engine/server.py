@@ -32,7 +32,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from sluiceway.infra.engine.core import (
+from sluiceway.models.engine.core import (
     Engine,
     EngineError,
     GenerateOutput,
@@ -767,7 +767,7 @@ def serve(
     """
     import uvicorn
 
-    from sluiceway.infra.engine.core import dtype_from_name
+    from sluiceway.models.engine.core import dtype_from_name
     from sluiceway.models.zoo import resolve_checkpoint
 
     if num_threads is not None:

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sluiceway.infra.engine import packed_linear
-from sluiceway.infra.engine.kv_cache import SlotKVCache
 from sluiceway.models.batch_invariant import masked_attention, padded_span, single_row_safe
+from sluiceway.models.engine import packed_linear
+from sluiceway.models.engine.kv_cache import SlotKVCache
 
 
 def rope_inv_freq(config: Any) -> tuple[Tensor, float]:

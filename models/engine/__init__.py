@@ -1,6 +1,6 @@
 """The embedded rollout engine: continuous batching on CPU (or one GPU) behind SGLang's native HTTP API."""
 
-from sluiceway.infra.engine.core import (
+from sluiceway.models.engine.core import (
     Engine,
     EngineError,
     GenerateOutput,
