@@ -1,6 +1,6 @@
 """HF Llama-family (Llama, Qwen2, Qwen3) <-> megatron-core GPTModel weight mapping, with tensor-parallel sharding.
 
-Layout facts the mapping relies on (megatron-core 0.16 local spec, see megatron_gpt.cpu_layer_spec):
+Layout facts the mapping relies on (megatron-core 0.16 local spec, see megatron_attention.cpu_layer_spec):
 - `linear_qkv` rows are interleaved per KV group: [q heads of group 0, k0, v0, q heads of group 1, k1, v1, ...];
   a TP rank owns whole groups, so sharding splits along groups.
 - `linear_fc1` rows are cat(gate, up) *per TP rank*: each rank splits its output in half for SwiGLU, so gate and

@@ -16,8 +16,8 @@ from sluiceway.models.hf_megatron import (
     megatron_to_hf,
     merge_tp_shards,
 )
+from sluiceway.models.megatron_attention import SDPACoreAttention
 from sluiceway.models.megatron_gpt import (
-    SDPACoreAttention,
     build_gpt_model,
     gpt_logits,
     init_parallel_state,

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import sluiceway.models.fused_logprobs as fused
 from sluiceway.models.fused_logprobs import token_logprob_entropy
-from sluiceway.models.megatron_gpt import _explicit_attention_pays, _explicit_causal_attention
+from sluiceway.models.megatron_attention import _explicit_attention_pays, _explicit_causal_attention
 from sluiceway.tasks.train.parallel import grad_norm
 
 
