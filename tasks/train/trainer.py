@@ -13,6 +13,7 @@ LR schedule in lr_schedule.py, the checkpoint directory format in checkpoint.py,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -22,14 +23,7 @@ import torch
 from transformers import AutoConfig
 
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
-from sluiceway.models.hf_megatron import (
-    hf_to_megatron,
-    load_hf_weights,
-    megatron_state_dict,
-    megatron_to_hf,
-    merge_tp_shards,
-)
-from sluiceway.models.lora import LoraAdapters, lora_spec, merge_into_hf, merge_tp_adapters
+from sluiceway.models.hf_megatron import load_hf_weights
 from sluiceway.models.megatron_gpt import (  # megatron.core through here: it silences the no-TE warnings
     allreduce_gradients,
     build_gpt_model,
@@ -40,7 +34,7 @@ from sluiceway.models.megatron_gpt import (  # megatron.core through here: it si
     token_logprobs_and_entropy,
 )
 from sluiceway.models.zoo import load_hf_state_dict
-from sluiceway.tasks.sync.disk import write_adapter_version, write_weight_version
+from sluiceway.tasks.sync.disk import write_weight_version
 from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS
 from sluiceway.tasks.train.batch import NonFiniteTraining, TrainSample, check_samples
 from sluiceway.tasks.train.checkpoint import load_checkpoint, save_checkpoint
@@ -49,9 +43,10 @@ from sluiceway.tasks.train.critic import Critic, needs_reference, token_advantag
 from sluiceway.tasks.train.losses import policy_objective, sft_objective
 from sluiceway.tasks.train.lr_schedule import lr_schedule
 from sluiceway.tasks.train.micro_batches import plan_micro_batches, shard_for_rank
+from sluiceway.tasks.train.model_transform import model_transform
 from sluiceway.tasks.train.opd import build_teacher_model, micro_batch_opd
 from sluiceway.tasks.train.optim import adamw, step_master_weights
-from sluiceway.tasks.train.parallel import gather_tensor_parallel, is_tensor_parallel, reduce_step_metrics
+from sluiceway.tasks.train.parallel import is_tensor_parallel, reduce_step_metrics
 from sluiceway.tasks.train.zero import ShardedAdamW, state_bytes
 
 log = logging.getLogger("sluiceway")
@@ -115,29 +110,28 @@ class PolicyTrainer:
             log.info("activation recompute: %s", ", ".join(f"{k} {v}" for k, v in sorted(recompute.items())))
         hf_state = load_hf_state_dict(hf_dir)
         load_hf_weights(self.model, hf_state, self.hf_config)
-        # --lora-rank: the base is frozen and only the adapters train (models/lora.py); they are fp32, so they are
-        # their own masters. `trainable` is what the optimizer, gradient all-reduce and checkpoints see.
-        self.lora = None
-        if training.lora_rank:
-            self.model.requires_grad_(False)
-            self.lora = LoraAdapters(self.hf_config, lora_spec(training), training.seed, self.device)
-            self.lora.attach(self.model)
-        self.trainable = self.model if self.lora is None else self.lora
-        self.mixed_precision = training.bf16 and self.lora is None
+        # What trains of the model (tasks/train/model_transform.py): every weight, or adapters on a frozen base.
+        # `trainable` is what the optimizer, gradient all-reduce and checkpoints see.
+        self.transform = model_transform(self.model, self.hf_config, training, self.tp_rank, self.tp_size, self.device)
+        self.trainable = self.transform.trainable
+        self.mixed_precision = self.transform.separate_masters
         self.param_names = [n for n, _ in self.trainable.named_parameters()]
         params = [p for _, p in self.trainable.named_parameters()]
         if self.mixed_precision:
-            # Masters come from the original fp32 weights, not from their bf16 rounding.
-            full = hf_to_megatron(hf_state, self.hf_config, tp_rank=self.tp_rank, tp_size=self.tp_size)
-            self.master = [full[n].detach().float().to(self.device).clone() for n in self.param_names]
+            self.master = self.transform.fp32_masters(hf_state, self.param_names)
         else:
-            self.master = params  # fp32: the model's parameters are the master weights
-        self.ref_model = None
-        if needs_reference(algorithm) and self.lora is None:  # with LoRA the reference is the adapters switched off
-            # A second model, not a deepcopy: megatron modules hold process groups, which do not copy.
-            self.ref_model = build_gpt_model(self.hf_config, dtype=dtype, device=self.device)
-            load_hf_weights(self.ref_model, hf_state, self.hf_config)
-            self.ref_model.eval().requires_grad_(False)
+            self.master = params  # fp32: the trained parameters are the master weights
+        # The frozen reference: (the model that computes it, the context it computes in), or None without one.
+        self.ref_model, self._reference = None, None
+        if needs_reference(algorithm):
+            base = self.transform.frozen_base()
+            if base is not None:  # the policy model with its transform switched off
+                self._reference = (self.model, base)
+            else:  # a second model, not a deepcopy: megatron modules hold process groups, which do not copy
+                self.ref_model = build_gpt_model(self.hf_config, dtype=dtype, device=self.device)
+                load_hf_weights(self.ref_model, hf_state, self.hf_config)
+                self.ref_model.eval().requires_grad_(False)
+                self._reference = (self.ref_model, contextlib.nullcontext)
         # --use-opd --opd-type megatron: the frozen teacher scores each micro-batch (tasks/train/opd.py).
         self.teacher_model = None
         if algorithm.use_opd and algorithm.opd_type == "megatron":
@@ -263,15 +257,14 @@ class PolicyTrainer:
         return None if self.teacher_model is None else self._logprobs(self.teacher_model, mb, temperature=1.0)[0]
 
     def _has_reference(self) -> bool:
-        return self.ref_model is not None or (self.lora is not None and needs_reference(self.algorithm))
+        return self._reference is not None
 
     @torch.no_grad()
     def _ref_logprobs(self, mb: MicroBatch) -> torch.Tensor:
-        """The frozen reference's log-probs: its own model, or with LoRA the base model (adapters switched off)."""
-        if self.lora is None:
-            return self._logprobs(self.ref_model, mb)[0]
-        with self.lora.disabled():
-            return self._logprobs(self.model, mb)[0]
+        """The frozen reference's log-probs: its own model, or the policy model with the transform switched off."""
+        model, context = self._reference
+        with context():
+            return self._logprobs(model, mb)[0]
 
     def _optimizer_step(self, st: OptimizerStep, old_logps: list[torch.Tensor] | None, step: int) -> dict[str, float]:
         sums = self._accumulate(st, old_logps)
@@ -298,7 +291,7 @@ class PolicyTrainer:
         )
 
     def gradients(self, samples: list[TrainSample], step: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-        """Metrics and full-model gradients (HF names; with LoRA the adapters' in peft's) of the first optimizer step
+        """Metrics and whole gradients of what trains (HF names; adapters in peft's) of the first optimizer step
         of `samples`, without stepping.
 
         A diagnostic: what the step would do, the same on every layout of ranks (the TP/DP parity tests use it).
@@ -306,14 +299,7 @@ class PolicyTrainer:
         st = self._plan(samples, step)[0]
         sums = self._accumulate(st, None)
         allreduce_gradients(self.trainable)
-        if self.lora is not None:
-            grads = {n: g.grad.detach().float().clone() for n, g in self.lora.local_params().items()}
-            self.lora.zero_grad(set_to_none=True)
-            return sums, merge_tp_adapters(gather_tensor_parallel(grads))
-        grads = {n: p.grad.detach().float().clone() for n, p in self.model.named_parameters() if p.grad is not None}
-        self.model.zero_grad(set_to_none=True)
-        full = merge_tp_shards(gather_tensor_parallel(grads), self.hf_config)
-        return sums, megatron_to_hf(full, self.hf_config, include_tied_lm_head=False)
+        return sums, self.transform.gradients()
 
     def _step_master_weights(self, step: int) -> torch.Tensor:
         t = self.training
@@ -333,26 +319,21 @@ class PolicyTrainer:
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's trained state with fp32 master values for every parameter (a collective over DP with the
-        distributed optimizer and bf16: the master shards are gathered): the model in megatron names, or with LoRA
-        the adapters alone (the base never changes)."""
-        state = megatron_state_dict(self.trainable) if self.lora is None else dict(self.lora.state_dict())
+        distributed optimizer and bf16: the master shards are gathered): the model in megatron names, or the
+        adapters alone (the base never changes)."""
+        state = self.transform.trained_state()
         masters = self.master if self.zero is None else self.zero.full_masters()
         state.update({n: m.detach() for n, m in zip(self.param_names, masters)})
         return state
 
     def hf_state_dict(self, include_tied_lm_head: bool = True) -> dict[str, torch.Tensor]:
-        """The whole model in HF names, with LoRA the adapters merged in (TP shards gathered; a collective: every
-        rank must call it)."""
-        if self.lora is None:
-            full = merge_tp_shards(gather_tensor_parallel(self.master_state_dict()), self.hf_config)
-            return megatron_to_hf(full, self.hf_config, include_tied_lm_head=include_tied_lm_head)
-        base = merge_tp_shards(gather_tensor_parallel(megatron_state_dict(self.model)), self.hf_config)
-        base = megatron_to_hf(base, self.hf_config, include_tied_lm_head=include_tied_lm_head)
-        return merge_into_hf(base, self.adapter_state_dict(), self.lora.spec)
+        """The whole model in HF names, adapters merged in (TP shards gathered; a collective: every rank must call
+        it)."""
+        return self.transform.hf_state_dict(self.master_state_dict, include_tied_lm_head)
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole LoRA adapter in peft's keys (TP shards gathered; a collective)."""
-        return merge_tp_adapters(gather_tensor_parallel(self.lora.local_state()))
+        """The whole adapter in peft's keys (TP shards gathered; a collective)."""
+        return self.transform.adapter_state_dict()
 
     def state(self) -> dict[str, int]:
         return {"weight_version": self.weight_version, "optimizer_state_bytes": self.optimizer_state_bytes()}
@@ -376,11 +357,11 @@ class PolicyTrainer:
         them on load (the same bits in half the bytes for bf16); None keeps fp32. A collective (the TP shards
         are gathered); rank 0 writes and returns the path, other ranks return None.
         """
-        if adapter_only:  # --lora-sync adapter: peft's adapter directory, fp32 (engines merge it into their base)
+        if adapter_only:  # peft's adapter directory, fp32 (engines merge it into their base)
             adapter = self.adapter_state_dict()
             if torch.distributed.get_rank() != 0:
                 return None
-            return write_adapter_version(adapter, self.lora.spec, Path(hf_dir), Path(root), self.weight_version)
+            return self.transform.write_adapter(adapter, Path(hf_dir), Path(root), self.weight_version)
         state = self.hf_state_dict(include_tied_lm_head=False)
         if torch.distributed.get_rank() != 0:
             return None
