@@ -45,8 +45,8 @@ from sluiceway.tasks.rollout.agent_render import (  # noqa: F401 - the endpoint'
     parse_tool_calls,
 )
 from sluiceway.tasks.rollout.agent_server import MAX_BODY_BYTES, SESSION_HEADER, AgentProxy  # noqa: F401
-from sluiceway.tasks.rollout.agent_session import DROPPED, AgentResult, AgentSession, TurnRequest  # noqa: F401
-from sluiceway.tasks.rollout.multiturn import GenerateContext
+from sluiceway.tasks.rollout.agent_session import DROPPED, AgentSession, TurnRequest  # noqa: F401
+from sluiceway.tasks.rollout.multiturn import GenerateContext, TokenBuffer
 
 
 def agent_env(base_url: str, api_key: str) -> dict[str, str]:
@@ -98,7 +98,7 @@ class AgentGenerate:
             self._renderer = ChatRenderer(tokenizer)
         return self._renderer
 
-    async def __call__(self, ctx: GenerateContext, prompt, params: dict) -> AgentResult:
+    async def __call__(self, ctx: GenerateContext, prompt, params: dict) -> TokenBuffer:
         p = proxy()
         s = p.open(ctx, params, ctx.tokenizer, self.renderer(ctx.tokenizer), list(prompt.token_ids))
         try:

@@ -54,15 +54,6 @@ class ModelTurn:
 
 
 @dataclass
-class AgentResult(TokenBuffer):
-    """A TokenBuffer with what a session adds to its row: the prompt it rendered, the agent's reward."""
-
-    prompt_text: str | None = None
-    reward: float | None = None
-    abort_reason: str | None = None
-
-
-@dataclass
 class AgentSession:
     """One trajectory (see module doc); `result()` is its row's content."""
 
@@ -259,16 +250,16 @@ class AgentSession:
         self.check_open()
         self.reward = float(reward)
 
-    def result(self) -> AgentResult:
-        """The session as a sample: finish_reason abort (status aborted, never trained) unless it had a turn
-        and was neither abandoned nor cut short."""
+    def result(self) -> TokenBuffer:
+        """The session as a sample, with its prompt text, reward and abort reason: finish_reason abort (status
+        aborted, never trained) unless it had a turn and was neither abandoned nor cut short."""
         buf = self.buf
         reason = self.aborted
         if reason is None and (buf is None or buf.turns == 0):
             reason = "the agent made no model call"
         if buf is None:
             buf = TokenBuffer(list(self.ctx_prompt_ids))
-        return AgentResult(
+        return TokenBuffer(
             prompt_ids=list(buf.prompt_ids), token_ids=list(buf.token_ids), logprobs=list(buf.logprobs),
             loss_mask=list(buf.loss_mask), weight_versions=list(buf.weight_versions),
             finish_reason="abort" if reason else buf.finish_reason,

@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 from sluiceway.infra.router import ROUTING_KEY_HEADER
+from sluiceway.tasks.rollout.generation import GenerationDefaults
 
 
 class EngineCallError(RuntimeError):
@@ -36,7 +37,9 @@ class EngineCallError(RuntimeError):
 
 
 @dataclass
-class GenerateResult:
+class GenerateResult(GenerationDefaults):
+    """One engine answer, a `Generation` (tasks/rollout/generation.py) without the optional parts."""
+
     rid: str
     token_ids: list[int]
     logprobs: list[float]  # one per token when asked for, else empty

@@ -24,6 +24,8 @@ from sluiceway.infra.plugins import load_function
 
 @dataclass
 class TokenBuffer:
+    """A multi-turn sample as it grows; what it holds at the end is its `Generation` (tasks/rollout/generation.py)."""
+
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)  # the response: model and environment tokens
     logprobs: list[float] = field(default_factory=list)  # 0.0 for environment tokens
@@ -32,6 +34,10 @@ class TokenBuffer:
     finish_reason: str = "stop"
     turns: int = 0
     latency_s: float = 0.0
+    # What an agent session (tasks/rollout/agent_session.py) adds to its row: None leaves the row's default.
+    prompt_text: str | None = None  # the prompt it rendered
+    reward: float | None = None  # the agent's reward
+    abort_reason: str | None = None  # why it was stored as aborted
 
     @property
     def weight_version(self) -> int:

@@ -35,11 +35,13 @@ from sluiceway.storage.trajectories import (
     COMPLETED,
     FAILED,
     TRUNCATED,
+    TrajectoryRow,
     is_finished,
     is_trainable,
     read_trajectories,
 )
 from sluiceway.tasks.rollout.dispatch import LOCAL, HedgePolicy, PoolDispatcher, PoolTarget, RolloutClient
+from sluiceway.tasks.rollout.generation import Generation, GenerationDefaults
 from sluiceway.tasks.rollout.multiturn import GenerateContext
 from sluiceway.tasks.rollout.writer import GroupWriter
 
@@ -131,7 +133,7 @@ def carried_over(store, run_id: str, step: int, prompts_by_id: dict[str, PromptI
     if step == 0:
         return []
     prev = read_trajectories(store, run_id, step - 1).to_pylist()
-    groups: dict[int, list[dict]] = {}
+    groups: dict[int, list[TrajectoryRow]] = {}
     for r in prev:
         if r["status"] == ABORTED:
             groups.setdefault(r["group_id"], []).append(r)
@@ -165,12 +167,14 @@ def plan_step(
     return work
 
 
-def _row(run_id, step, w: GroupWork, i: int, res, decode, s: RolloutSettings, engine: str, pool: str) -> dict:
+def _row(
+    run_id, step, w: GroupWork, i: int, res: Generation, decode, s: RolloutSettings, engine: str, pool: str
+) -> TrajectoryRow:
     part = w.partials[i]
     tokens = part.token_ids + res.token_ids
     # A multi-turn TokenBuffer brings its own mask (environment tokens 0) and versions.
-    new_mask = getattr(res, "loss_mask", None) or [1] * len(res.token_ids)
-    new_versions = getattr(res, "weight_versions", None) or ([res.weight_version] if res.token_ids else [])
+    new_mask = res.loss_mask or [1] * len(res.token_ids)
+    new_versions = res.weight_versions or ([res.weight_version] if res.token_ids else [])
     versions = list(dict.fromkeys(part.weight_versions + new_versions)) or [res.weight_version]
     # Tokens from an older policy can be kept out of the loss (--mask-offpolicy-in-partial-rollout).
     old_mask = [0 if s.mask_offpolicy else 1] * len(part.token_ids)
@@ -179,39 +183,40 @@ def _row(run_id, step, w: GroupWork, i: int, res, decode, s: RolloutSettings, en
     if part.from_step is not None:
         meta["continued_from_step"] = part.from_step
         meta["offpolicy_tokens"] = len(part.token_ids)
-    if getattr(res, "abort_reason", None):
+    if res.abort_reason:
         meta["abort_reason"] = res.abort_reason
     # An agent session (tasks/rollout/agent_proxy.py) renders its own prompt and may bring the agent's reward.
-    agent_reward = getattr(res, "reward", None)
-    return {
-        "run_id": run_id,
-        "step": step,
-        "group_id": w.group_id,
-        "sample_index": i,
-        "prompt_id": w.prompt.prompt_id,
-        "prompt": getattr(res, "prompt_text", None) or w.prompt.text,
-        "label": w.prompt.label,
-        "prompt_token_ids": getattr(res, "prompt_ids", None) or w.prompt.token_ids,
-        "response_token_ids": tokens,
-        "response_text": decode(tokens),
-        "rollout_logprobs": part.logprobs + res.logprobs,
-        "loss_mask": old_mask + new_mask,
-        "status": status,
-        "finish_reason": res.finish_reason,
-        "weight_version": versions[-1],
-        "weight_versions": versions,
-        "engine": engine,
-        "pool": pool,
-        "gen_time_s": res.latency_s,
-        "created_at": datetime.now(UTC),
-        "metadata": json.dumps(meta),
-        **({"reward": agent_reward, "reward_details": json.dumps({"source": "agent"})} if agent_reward is not None
-           else {}),
-    }  # fmt: skip
+    return TrajectoryRow(
+        run_id=run_id,
+        step=step,
+        group_id=w.group_id,
+        sample_index=i,
+        prompt_id=w.prompt.prompt_id,
+        prompt=res.prompt_text or w.prompt.text,
+        label=w.prompt.label,
+        prompt_token_ids=res.prompt_ids or w.prompt.token_ids,
+        response_token_ids=tokens,
+        response_text=decode(tokens),
+        rollout_logprobs=part.logprobs + res.logprobs,
+        loss_mask=old_mask + new_mask,
+        reward=res.reward,
+        reward_details=json.dumps({"source": "agent"}) if res.reward is not None else None,
+        status=status,
+        finish_reason=res.finish_reason,
+        weight_version=versions[-1],
+        weight_versions=versions,
+        engine=engine,
+        pool=pool,
+        gen_time_s=res.latency_s,
+        created_at=datetime.now(UTC),
+        metadata=json.dumps(meta),
+        filter_reason=None,  # Rollout.judge sets it
+        teacher_logprobs=None,  # on-policy distillation's stage fills it
+    )
 
 
 @dataclass
-class _Aborted:
+class _Aborted(GenerationDefaults):
     """Stands in for a request that was never sent because the step already had enough groups."""
 
     token_ids: list[int] = field(default_factory=list)
@@ -239,7 +244,7 @@ class Rollout:
         work: list[GroupWork],
         settings: RolloutSettings,
         decode: Callable[[list[int]], str],
-        group_filter: Callable[[list[dict]], str | None] | None = None,
+        group_filter: Callable[[list[TrajectoryRow]], str | None] | None = None,
         engine: str = "router",
         on_progress: Callable[[int, int], None] | None = None,
         remote_pools: list[PoolTarget] = (),
@@ -291,11 +296,11 @@ class Rollout:
         if await self.writer.write(rows, app_id=f"rollout/{self.run_id}/{self.step}/{w.group_id}"):
             self.written += len(rows)
 
-    async def generate(self, w: GroupWork, target: PoolTarget) -> list:
+    async def generate(self, w: GroupWork, target: PoolTarget) -> list[Generation]:
         """The group's samples on one pool; if one fails, the others are cancelled and the error raised."""
         return await _all_or_none([self.sample(w, i, target) for i in range(self.s.n_samples)])
 
-    async def sample(self, w: GroupWork, i: int, target: PoolTarget):
+    async def sample(self, w: GroupWork, i: int, target: PoolTarget) -> Generation:
         """One sample: a /generate request (or a custom generate function), continuing its partial if any."""
         s = self.s
         if self.enough.is_set():
@@ -323,7 +328,7 @@ class Rollout:
         self.versions_seen.append(res.weight_version)
         return res
 
-    async def judge(self, rows: list[dict], results: list) -> None:
+    async def judge(self, rows: list[TrajectoryRow], results: list[Generation]) -> None:
         """Status and filter reason of a generated group's rows; the step's count of finished groups."""
         if not all(is_finished(r) for r in rows):
             # A group is trained on whole or not at all: finished samples of a cut group are kept as

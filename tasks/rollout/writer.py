@@ -9,20 +9,19 @@ not yet committed, and a re-run generates just those.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from sluiceway.storage.object_store import ObjectStore
-from sluiceway.storage.trajectories import append_trajectory_groups
+from sluiceway.storage.trajectories import TrajectoryRow, append_trajectory_groups
 
 
 class GroupWriter:
     def __init__(self, store: ObjectStore):
         self.store = store
-        self._queue: list[tuple[list[dict[str, Any]], str, asyncio.Future]] = []
+        self._queue: list[tuple[list[TrajectoryRow], str, asyncio.Future]] = []
         self._flusher: asyncio.Task | None = None
         self.commits = 0
 
-    async def write(self, rows: list[dict[str, Any]], app_id: str) -> bool:
+    async def write(self, rows: list[TrajectoryRow], app_id: str) -> bool:
         """Store one group's rows; True if new (False: a re-run found it written already)."""
         done = asyncio.get_running_loop().create_future()
         self._queue.append((rows, app_id, done))
