@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from sluiceway.models.engine import Engine, EngineError, GenerateRequest, SamplingParams
-from sluiceway.models.engine.server import BadRequest, parse_json_body, parse_sampling_params
+from sluiceway.models.engine.requests import BadRequest, parse_json_body, parse_sampling_params
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 
