@@ -19,4 +19,4 @@ def sequence_logprob(trainer, sample):
     mb = collate([sample], trainer.pad_token_id)
     with torch.no_grad():
         lp = token_logprobs(trainer.model, mb.input_ids)
-    return float((lp.float() * mb.mask).sum())
+    return float((lp.float() * mb.loss_mask).sum())

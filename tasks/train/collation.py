@@ -29,15 +29,15 @@ class MicroBatch:
     """
 
     input_ids: torch.Tensor  # [rows, s]
-    mask: torch.Tensor  # [n, w-1] 1 where the token at t+1 is a trained response token
+    loss_mask: torch.Tensor  # [n, w-1] 1 where the token at t+1 is a trained response token
     advantages: torch.Tensor  # [n, w-1]
-    rollout_logp: torch.Tensor  # [n, w-1]
+    rollout_logprobs: torch.Tensor  # [n, w-1] the engine's log-probs
     attention_mask: torch.Tensor | None = None  # [rows, 1, s, s], laid-out rows only
     unpack: torch.Tensor | None = None  # [n, w-1] long, laid-out rows only
     rewards: torch.Tensor | None = None  # [n], for the token-level estimators
     position_ids: torch.Tensor | None = None  # [rows, s] RoPE positions, laid-out rows only
     targets: torch.Tensor | None = None  # [n, w-1] the token at t+1 of each sample, laid-out rows only
-    teacher_logp: torch.Tensor | None = None  # [n, w-1] OPD's stored teacher log-probs, when every sample has them
+    teacher_logprobs: torch.Tensor | None = None  # [n, w-1] OPD's stored teacher log-probs, when all samples have them
     names: list[str] | None = None  # per sample, " (group G, sample I)" or "": to name one in an error
 
     def to(self, device: torch.device) -> MicroBatch:
@@ -80,7 +80,7 @@ def collate(samples: list[TrainSample], pad_id: int, rows: list[list[int]] | Non
         ids = torch.full((n, w), pad_id, dtype=torch.long)
         for i, s in enumerate(samples):
             ids[i, : lengths[i]] = torch.tensor(s.prompt_token_ids + s.response_token_ids)
-        return MicroBatch(ids, mask, adv, rlp, rewards=rewards, teacher_logp=teacher, names=names)
+        return MicroBatch(ids, mask, adv, rlp, rewards=rewards, teacher_logprobs=teacher, names=names)
     layouts = [_lay_out_row([samples[i] for i in row]) for row in rows]
     width = max(len(tokens) for tokens, *_ in layouts)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -98,7 +98,7 @@ def collate(samples: list[TrainSample], pad_id: int, rows: list[list[int]] | Non
             sample = samples[i]
             targets[i, : lengths[i] - 1] = torch.tensor((sample.prompt_token_ids + sample.response_token_ids)[1:])
     return MicroBatch(ids, mask, adv, rlp, packed_attention_mask(segments, members), unpack, rewards,
-                       position_ids=positions, targets=targets, teacher_logp=teacher, names=names)  # fmt: skip
+                       position_ids=positions, targets=targets, teacher_logprobs=teacher, names=names)  # fmt: skip
 
 
 def _lay_out_row(samples: list[TrainSample]):

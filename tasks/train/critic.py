@@ -118,14 +118,14 @@ def token_advantages(
     a = algorithm
     batches = [mb for st in steps for mb in st]
     olds = [lp for st, lps in zip(steps, old_logps or [None] * len(steps)) for lp in (lps or [None] * len(st))]
-    masks = [mb.mask for mb in batches]
+    masks = [mb.loss_mask for mb in batches]
     shaping = a.kl_coef > 0
     if shaping and ref_logp is None:
         raise ValueError("kl_coef > 0 needs the reference model's log-probs")
     kls = [
-        reward_kl(old if old is not None else policy_logp(mb), ref_logp(mb), mb.mask, a.kl_loss_type)
+        reward_kl(old if old is not None else policy_logp(mb), ref_logp(mb), mb.loss_mask, a.kl_loss_type)
         if shaping
-        else torch.zeros_like(mb.mask)
+        else torch.zeros_like(mb.loss_mask)
         for mb, old in zip(batches, olds)
     ]
     metrics: dict[str, float] = {}
@@ -134,7 +134,7 @@ def token_advantages(
         if critic is None:
             raise ValueError("advantage_estimator ppo needs a critic")
         values = [critic.values(mb) for mb in batches]
-        rewards = [terminal_rewards(mb.rewards, mb.mask) - a.kl_coef * kl for mb, kl in zip(batches, kls)]
+        rewards = [terminal_rewards(mb.rewards, mb.loss_mask) - a.kl_coef * kl for mb, kl in zip(batches, kls)]
         pairs = [gae(r, v, m, gamma=a.gamma, lam=a.lambd) for r, v, m in zip(rewards, values, masks)]
         raw = [p[0] for p in pairs]
         metrics |= value_metrics(values, [p[1] for p in pairs], masks)
@@ -142,7 +142,7 @@ def token_advantages(
         targets = [[next(flat) for _ in st] for st in steps]
     elif a.advantage_estimator == "reinforce_plus_plus":
         raw = [
-            reinforce_pp_returns(mb.rewards, mb.mask, kl, a.kl_coef, gamma=a.gamma, whiten=False)
+            reinforce_pp_returns(mb.rewards, mb.loss_mask, kl, a.kl_coef, gamma=a.gamma, whiten=False)
             for mb, kl in zip(batches, kls)
         ]
     else:
@@ -240,7 +240,7 @@ class Critic:
         sums = {"value_loss": 0.0, "value_clipfrac": 0.0}
         for mb, tg in zip(batches, targets):
             clip = self.algorithm.value_clip
-            loss, stats = value_objective(self.values(mb), tg.old_values, tg.returns, mb.mask, clip, n_tokens)
+            loss, stats = value_objective(self.values(mb), tg.old_values, tg.returns, mb.loss_mask, clip, n_tokens)
             loss.backward()
             for k, v in stats.items():
                 sums[k] += v

@@ -52,7 +52,7 @@ def micro_batch_opd(mb, student_logp: torch.Tensor, kl_coef: float, teacher_logp
     """`opd_advantages` for one micro-batch (tasks/train/collation.py): the teacher's log-probs are the stored ones
     (opd_type sglang, or any replay of a run that stored them), else `teacher_logp_fn(mb)` (opd_type megatron's
     model in the trainer). Returns (advantages, per-token reverse KL)."""
-    teacher = mb.teacher_logp
+    teacher = mb.teacher_logprobs
     if teacher is None and teacher_logp_fn is not None:
         teacher = teacher_logp_fn(mb)
     if teacher is None:
@@ -60,7 +60,7 @@ def micro_batch_opd(mb, student_logp: torch.Tensor, kl_coef: float, teacher_logp
             "use_opd: these samples have no teacher log-probs (the trajectories' teacher_logprobs column is null "
             "and no teacher model is loaded): score them with opd_type sglang, or use opd_type megatron"
         )
-    return opd_advantages(mb.advantages, student_logp, teacher, mb.mask, kl_coef)
+    return opd_advantages(mb.advantages, student_logp, teacher, mb.loss_mask, kl_coef)
 
 
 def build_teacher_model(source: str, student_config, dtype: torch.dtype, device: torch.device):

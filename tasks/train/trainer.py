@@ -156,7 +156,7 @@ class PolicyTrainer:
         """Per-token (log-prob, entropy) in the micro-batch's per-sample layout [n, w-1], where the loss mask is set
         (zeros elsewhere: no loss reads a log-prob there, so the output layer skips those positions)."""
         temperature = self.temperature if temperature is None else temperature
-        needed = mb.mask > 0
+        needed = mb.loss_mask > 0
         if mb.unpack is None:
             return token_logprobs_and_entropy(model, mb.input_ids, temperature, needed=needed)
         sample, t = needed.nonzero(as_tuple=True)
@@ -237,7 +237,7 @@ class PolicyTrainer:
                 advantages, kl = micro_batch_opd(mb, old, self.algorithm.opd_kl_coef, self._teacher_logp)
                 sums["opd/reverse_kl"] = sums.get("opd/reverse_kl", 0.0) + float(kl.sum()) / st.n_tokens
             loss, stats = policy_objective(
-                logp, old, advantages, mb.mask, self.algorithm, entropy=entropy, rollout_logp=mb.rollout_logp,
+                logp, old, advantages, mb.loss_mask, self.algorithm, entropy=entropy, rollout_logp=mb.rollout_logprobs,
                 ref_logp=ref_logp, n_tokens=st.n_tokens, n_seqs=st.n_seqs,
                 max_response_len=float(self.max_response_len or st.longest),
             )  # fmt: skip
@@ -393,7 +393,7 @@ class PolicyTrainer:
         for p in mine:
             mb = collate([samples[i] for i in p.samples], self.pad_token_id, p.rows).to(self.device)
             logp, entropy = self._logprobs(self.model, mb, temperature=1.0)
-            loss, stats = sft_objective(logp, entropy, mb.mask, n_tokens)
+            loss, stats = sft_objective(logp, entropy, mb.loss_mask, n_tokens)
             loss.backward()
             sums["loss"] += stats["loss"]
             sums["entropy"] += stats["entropy"]

@@ -61,7 +61,7 @@ def test_megatron_logprobs_match_transformers_on_cuda(tiny):
         ours = token_logprobs(trainer.model, mb.input_ids)
         logits = hf(input_ids=mb.input_ids).logits.float()
     ref = torch.log_softmax(logits[:, :-1], -1).gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
-    valid = mb.mask.bool()
+    valid = mb.loss_mask.bool()
     assert ours.device.type == "cuda"
     assert (ours - ref)[valid].abs().max().item() < 1e-4
 

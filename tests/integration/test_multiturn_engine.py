@@ -90,5 +90,5 @@ def test_two_turns_keep_engine_tokens_and_mask_the_environment(tmp_path):
     )
     with torch.no_grad():
         lp = token_logprobs(trainer.model, batch.input_ids)
-    m = batch.mask.bool()
-    assert float((lp[m] - batch.rollout_logp[m]).abs().max()) <= 1e-4
+    m = batch.loss_mask.bool()
+    assert float((lp[m] - batch.rollout_logprobs[m]).abs().max()) <= 1e-4

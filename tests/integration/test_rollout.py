@@ -113,8 +113,8 @@ def test_router_two_engines_logprobs_and_engine_death(tmp_path, model_dir):
         mb = collate([sample], tok.pad_token_id)
         with torch.no_grad():
             lp = token_logprobs(trainer.model, mb.input_ids)
-        mask = mb.mask.bool()
-        worst = max(worst, float((lp[mask] - mb.rollout_logp[mask]).abs().max()))
+        mask = mb.loss_mask.bool()
+        worst = max(worst, float((lp[mask] - mb.rollout_logprobs[mask]).abs().max()))
     assert worst <= 1e-4
 
 

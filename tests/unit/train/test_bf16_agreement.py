@@ -93,9 +93,9 @@ def test_engine_and_trainer_bf16_logprobs_agree(model, tiny, smollm2_shaped):
         mb = collate(samples, 0, rows)
         with torch.no_grad():
             logp, _ = trainer._logprobs(trainer.model, mb)
-        on = mb.mask > 0
-        gap = (logp[on] - mb.rollout_logp[on]).abs()
+        on = mb.loss_mask > 0
+        gap = (logp[on] - mb.rollout_logprobs[on]).abs()
         assert gap.numel() == sum(len(s.response_token_ids) for s in samples)
         assert float(gap.mean()) <= 1e-3, (layout, float(gap.mean()))  # the bound, on any CPU
         if not amx():
-            assert torch.equal(logp[on], mb.rollout_logp[on]), (layout, float(gap.max()), int((gap > 0).sum()))
+            assert torch.equal(logp[on], mb.rollout_logprobs[on]), (layout, float(gap.max()), int((gap > 0).sum()))

@@ -37,14 +37,14 @@ def test_micro_batch_uses_stored_teacher_logprobs_in_its_layout():
     # Prompt [5, 6] and response [7, 8]: position t predicts token t+1, so the response's log-probs sit at 1 and 2.
     s = TrainSample([5, 6], [7, 8], [1, 1], 0.25, rollout_logprobs=[-1.0, -1.0], teacher_logprobs=[-0.5, -3.0])
     mb = collate([s], pad_id=0)
-    assert mb.teacher_logp.tolist() == [[0.0, -0.5, -3.0]]
+    assert mb.teacher_logprobs.tolist() == [[0.0, -0.5, -3.0]]
     student = torch.tensor([[0.0, -1.5, -1.0]])
     adv, kl = micro_batch_opd(mb, student, kl_coef=2.0)
     # kl = [0, -1.5 + 0.5, -1 + 3] = [0, -1, 2];  A' = 0.25 - 2 * kl on the response: [0, 2.25, -3.75]
     assert kl.tolist() == [[0.0, -1.0, 2.0]]
     assert adv.tolist() == [[0.0, 2.25, -3.75]]
     no_teacher = collate([TrainSample([5, 6], [7], [1], 0.0, [-1.0])], pad_id=0)
-    assert no_teacher.teacher_logp is None
+    assert no_teacher.teacher_logprobs is None
     with pytest.raises(RuntimeError, match="no teacher log-probs"):
         micro_batch_opd(no_teacher, torch.zeros(1, 2), 1.0)
 

@@ -86,7 +86,7 @@ def test_reinforce_pp_advantages_by_hand_across_micro_batches():
     # The same as advantages.reinforce_pp_returns on the batch in one tensor.
     whole = collate([a, b, c], pad_id=0)
     torch.testing.assert_close(
-        reinforce_pp_returns(whole.rewards, whole.mask, gamma=0.5), torch.cat([ab, pad(cc, (0, 1))])
+        reinforce_pp_returns(whole.rewards, whole.loss_mask, gamma=0.5), torch.cat([ab, pad(cc, (0, 1))])
     )
 
 
@@ -106,10 +106,10 @@ def test_ppo_gae_targets_by_hand_on_the_critic_values(tiny):  # noqa: F811
     torch.testing.assert_close(t_c.returns, torch.tensor([[0.0, 1.0, 2.0]]))
     # Advantages: R - V over the trained tokens, whitened over the whole batch (5 tokens).
     mbs, tgs = [steps[0][0], steps[1][0]], [t_ab, t_c]
-    raw = torch.cat([(t.returns - t.old_values)[mb.mask > 0] for t, mb in zip(tgs, mbs)])
-    advantages = torch.cat([mb.advantages[mb.mask > 0] for mb in mbs])
+    raw = torch.cat([(t.returns - t.old_values)[mb.loss_mask > 0] for t, mb in zip(tgs, mbs)])
+    advantages = torch.cat([mb.advantages[mb.loss_mask > 0] for mb in mbs])
     torch.testing.assert_close(advantages, masked_whiten(raw, torch.ones_like(raw)))
-    values = torch.cat([t.old_values[mb.mask > 0] for t, mb in zip(tgs, mbs)])
+    values = torch.cat([t.old_values[mb.loss_mask > 0] for t, mb in zip(tgs, mbs)])
     returns = torch.tensor([0.5, 1.0, 0.0, 1.0, 2.0])
     assert metrics["value_mean"] == pytest.approx(float(values.mean()), abs=1e-6)
     assert metrics["returns_mean"] == pytest.approx(0.9)
@@ -138,7 +138,7 @@ def test_value_head_is_a_replicated_scalar_on_its_own_copy_of_the_model(tiny):  
     mb = collate(ppo_samples(tok, [1.0, 0.0, 1.0, 0.0])[:2], trainer.pad_token_id)
     with torch.no_grad():
         v = critic.values(mb)
-    assert v.shape == mb.mask.shape and v.dtype == torch.float32 and v.abs().max() < 1.0  # small init
+    assert v.shape == mb.loss_mask.shape and v.dtype == torch.float32 and v.abs().max() < 1.0  # small init
 
 
 @pytest.mark.parametrize("bf16", [False, True])
@@ -197,7 +197,7 @@ def test_value_loss_clipped_vs_unclipped(tiny):  # noqa: F811
     with torch.no_grad():
         v = critic.values(mb)
     targets = [ValueTargets(old_values=v - 1.0, returns=v + 1.0)]
-    n = float(mb.mask.sum())
+    n = float(mb.loss_mask.sum())
     before = critic_masters(trainer)
     m = critic.train_step([mb], targets, n)
     assert m["value_loss"] == pytest.approx(0.5 * 1.8**2, rel=1e-5) and m["value_clipfrac"] == pytest.approx(1.0)
@@ -237,13 +237,13 @@ def test_reinforce_plus_plus_with_kl_coef_shapes_rewards_with_the_reference(tiny
     with torch.no_grad():
         logp = trainer._logprobs(trainer.model, mb)[0]
         ref = trainer._logprobs(trainer.ref_model, mb)[0]
-    kl = kl_penalty(logp, ref, "k1") * mb.mask
-    expected = reinforce_pp_returns(mb.rewards, mb.mask, kl, kl_coef=0.5, gamma=1.0)
+    kl = kl_penalty(logp, ref, "k1") * mb.loss_mask
+    expected = reinforce_pp_returns(mb.rewards, mb.loss_mask, kl, kl_coef=0.5, gamma=1.0)
     policy = lambda m: trainer._logprobs(trainer.model, m)[0]  # noqa: E731
     reference = lambda m: trainer._logprobs(trainer.ref_model, m)[0]  # noqa: E731
     _, metrics = token_advantages([[mb]], trainer.algorithm, policy, reference, None)
     torch.testing.assert_close(mb.advantages, expected, atol=1e-5, rtol=1e-5)
-    assert metrics["reward_kl"] == pytest.approx(float(kl.sum() / mb.mask.sum()), abs=1e-6) and kl.abs().sum() > 0
+    assert metrics["reward_kl"] == pytest.approx(float(kl.sum() / mb.loss_mask.sum()), abs=1e-6) and kl.abs().sum() > 0
     assert trainer.train_rollout(batch, step=1)["reward_kl"] != 0.0
 
 

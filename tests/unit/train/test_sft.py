@@ -95,7 +95,7 @@ def sequence_nll(trainer, samples):
     mb = collate(samples, trainer.pad_token_id)
     with torch.no_grad():
         lp = token_logprobs(trainer.model, mb.input_ids)
-    return float(-(lp * mb.mask).sum() / mb.mask.sum())
+    return float(-(lp * mb.loss_mask).sum() / mb.loss_mask.sum())
 
 
 def test_sft_steps_lower_the_loss(tiny):
