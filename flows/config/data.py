@@ -1,0 +1,40 @@
+"""What a run trains on: the prompt source, its fields, the chat template, SFT's samples, adaptive difficulty."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from sluiceway.flows.config.group import Group
+
+
+class DataConfig(Group):
+    prompt_data: str | None = Field(
+        None,
+        description="JSONL or Parquet file of prompts (slime format), or 'env:NAME' for a procedural environment.",
+    )
+    input_key: str = Field("input", description="Field holding the prompt: plain text or a list of chat messages.")
+    label_key: str | None = Field("label", description="Field holding the reference answer.")
+    metadata_key: str = Field("metadata", description="Optional field holding per-sample metadata (a dict).")
+    response_key: str | None = Field(
+        None,
+        description="SFT: field holding the response to the prompt under input_key. Unset: input_key holds "
+        "whole conversations (lists of messages) whose assistant turns are trained.",
+    )
+    sft_max_len: int = Field(2048, ge=2, description="SFT: most tokens per sample; longer ones are an error.")
+    sft_truncate: bool = Field(False, description="SFT: cut samples longer than sft_max_len instead of stopping.")
+    apply_chat_template: bool = Field(False, description="Wrap prompts with the tokenizer's chat template.")
+    system_prompt: str | None = Field(None, description="System message prepended when applying the chat template.")
+    env_size: int = Field(512, ge=1, description="Number of prompts generated for an 'env:NAME' dataset.")
+    adaptive_difficulty: bool = Field(
+        False,
+        description="With an env: prompt source, generate each step's prompts at levels that rise when "
+        "recent accuracy passes difficulty_raise_above and fall below difficulty_lower_below.",
+    )
+    difficulty_raise_above: float = Field(0.8, gt=0.0, le=1.0, description="Accuracy that raises a level.")
+    difficulty_lower_below: float = Field(0.2, ge=0.0, lt=1.0, description="Accuracy that lowers a level.")
+    difficulty_window: int = Field(64, ge=1, description="Recent samples per environment that accuracy covers.")
+    difficulty_min_samples: int = Field(32, ge=1, description="Samples at a level before it may change.")
+
+    def check(self, context: dict) -> None:
+        if self.adaptive_difficulty and not (self.prompt_data or "").startswith("env:"):
+            raise ValueError("adaptive_difficulty needs an environment as prompt_data (env:NAME or env:mix(...))")

@@ -1,0 +1,136 @@
+"""Generation: batch sizes, sampling, the schedule (sync or async), filters, and the engines that serve it."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from sluiceway.flows.config.group import Group
+from sluiceway.infra.plugins import check_function
+
+
+class RolloutConfig(Group):
+    mode: Literal["sync", "one-step-off", "fully-async"] = Field(
+        "sync",
+        description="sync: generate, then train, each step. one-step-off: generate step k+1 while training step "
+        "k (every sample one weight version behind). fully-async: keep generating up to max_staleness steps "
+        "ahead (default 2) while the trainer consumes steps, pushing new weights to the engines as they come.",
+    )
+    rollout_batch_size: int = Field(8, ge=1, description="Prompts per rollout step.")
+    n_samples_per_prompt: int = Field(8, ge=1, description="Samples per prompt (the GRPO group size).")
+    num_rollout: int = Field(10, ge=1, description="Number of rollout steps in the run.")
+    rollout_max_response_len: int = Field(32, ge=1, description="Maximum new tokens per response.")
+    rollout_max_prompt_len: int = Field(256, ge=1, description="Prompts longer than this (in tokens) are an error.")
+    rollout_temperature: float = Field(0.7, gt=0.0, description="Sampling temperature.")
+    rollout_top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
+    rollout_max_concurrency: int = Field(64, ge=1, description="Generate requests in flight at once, over all engines.")
+    over_sampling_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Groups submitted per step (>= rollout_batch_size); the rest are aborted once "
+        "rollout_batch_size groups have finished. Default: rollout_batch_size.",
+    )
+    partial_rollout: bool = Field(
+        False, description="Continue aborted groups in the next step from their partial tokens (APRIL)."
+    )
+    mask_offpolicy_in_partial_rollout: bool = Field(
+        False, description="Leave the tokens a partial rollout got from older weights out of the loss."
+    )
+    custom_generate_function_path: str | None = Field(
+        None,
+        description="'module:fn' or 'file.py:fn': an async function driving multi-turn generation "
+        "(see tasks/rollout/multiturn.py).",
+    )
+    agent_function_path: str | None = Field(
+        None,
+        description="'module:fn' or 'file.py:fn': your agent, fn(base_url, api_key, prompt) (sync or async), run "
+        "once per sample against the run's OpenAI-compatible, token-recording endpoint instead of the default "
+        "generate; it returns a reward or None (see docs/agents.md). Imported when the config is read.",
+    )
+
+    @field_validator("agent_function_path")
+    @classmethod
+    def _load_agent_function(cls, path: str | None) -> str | None:
+        """An agent that does not import is one line when the config is read, not a failure mid-rollout."""
+        if path is not None:
+            check_function(path, "--agent-function-path", ("base_url", "api_key", "prompt"))
+        return path
+
+    dynamic_sampling_filter_path: str | None = Field(
+        None,
+        description="Drop groups at rollout time and over-sample until enough pass: 'zero_std' (DAPO), "
+        "'truncated', or 'module:fn' returning keep (True) or a drop reason.",
+    )
+    max_staleness: int | None = Field(
+        None, ge=0, description="Drop groups with tokens from weights more than N versions behind the trainer."
+    )
+    filter_truncated: bool = Field(False, description="Drop groups with a response that hit the length limit.")
+    filter_overlong_len: int | None = Field(
+        None, ge=1, description="Drop groups with a response longer than this many tokens."
+    )
+    rollout_engine: Literal["embedded", "sglang"] = Field(
+        "embedded", description="What serves generation: sluiceway's embedded CPU engine, or SGLang servers (GPU)."
+    )
+    rollout_num_gpus_per_engine: int = Field(1, ge=1, description="SGLang: GPUs (tensor parallel size) per engine.")
+    rollout_num_gpus: int | None = Field(
+        None,
+        ge=1,
+        description="SGLang on a Ray cluster (--ray-address): GPUs for the engines in all, placed as "
+        "rollout_num_gpus / rollout_num_gpus_per_engine engine actors (default: rollout_num_engines engines).",
+    )
+    sglang_server_args: list[str] | None = Field(
+        None, description="Extra SGLang server flags; on the command line write --sglang-X VALUE for --X VALUE."
+    )
+    rollout_num_engines: int = Field(1, ge=0, description="Embedded engines to start behind the router.")
+    rollout_external_engine_addrs: list[str] | None = Field(
+        None, description="URLs of engines someone else runs (SGLang servers or `sluiceway engine`) to attach."
+    )
+    engine_max_running_requests: int = Field(64, ge=1, description="Sequences each embedded engine decodes at once.")
+    engine_num_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch threads of each embedded engine. Default: the CPU's cores (resources.num_threads if "
+        "set) shared out evenly over rollout_num_engines, at least 1 each. Several engines of few threads overlap "
+        "each other's single-threaded work (SmolLM2, 32 requests on 2 cores: two 1-thread engines 1.9 s, one "
+        "2-thread engine 3.6 s in bf16; fp32 3.0 vs 3.7 s), but each holds its own weights and reloads them.",
+    )
+    rollout_pools: list[str] | None = Field(
+        None,
+        description="Remote pools that take groups beside the run's own engines, as NAME=ROUTER_URL (e.g. "
+        "east=http://10.0.0.5:30000). Their agents pull each weight version from the weight store and report "
+        "there what they serve (needs update_weight_mode delta); a pool gets groups only while its version is "
+        "fresh enough for the step (docs/weight_sync.md). Each takes up to rollout_max_concurrency requests.",
+    )
+
+    def check(self, context: dict) -> None:
+        if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < self.rollout_batch_size:
+            raise ValueError(
+                f"over_sampling_batch_size ({self.over_sampling_batch_size}) must be >= rollout_batch_size"
+                f" ({self.rollout_batch_size})"
+            )
+        if self.partial_rollout and self.custom_generate_function_path:
+            raise ValueError("partial_rollout cannot continue custom (multi-turn) generations: use one or the other")
+        if self.agent_function_path and self.custom_generate_function_path:
+            raise ValueError("agent_function_path and custom_generate_function_path both replace the generate")
+        if self.partial_rollout and self.agent_function_path:
+            raise ValueError("partial_rollout cannot continue agent sessions: use one or the other")
+        self.remote_pools  # noqa: B018 - parses and checks each NAME=URL
+        if self.rollout_num_gpus is not None and self.rollout_num_gpus % self.rollout_num_gpus_per_engine:
+            raise ValueError(f"rollout_num_gpus ({self.rollout_num_gpus}) must be a multiple of "
+                             f"rollout_num_gpus_per_engine ({self.rollout_num_gpus_per_engine})")  # fmt: skip
+
+    @property
+    def remote_pools(self) -> list[tuple[str, str]]:
+        """rollout_pools as (name, router URL) pairs."""
+        out: list[tuple[str, str]] = []
+        for spec in self.rollout_pools or []:
+            name, sep, url = spec.partition("=")
+            if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or not re.match(r"https?://[^/\s]+", url):
+                raise ValueError(f"rollout_pools: {spec!r} is not NAME=http://HOST:PORT")
+            if name == "local" or name in dict(out):
+                raise ValueError(f"rollout_pools: pool name {name!r} is taken (each pool needs its own; 'local' "
+                                 "is the run's own engines)")  # fmt: skip
+            out.append((name, url.rstrip("/")))
+        return out
