@@ -7,8 +7,8 @@ rollout_max_response_len, n_samples_per_prompt samples a prompt): the micro-batc
 the process's peak resident memory (VmHWM, from the imports on: the trainer's construction included) less its
 resident memory after the imports, with glibc's default malloc settings (what a run gets) and with
 MALLOC_MMAP_THRESHOLD_=131072 (tensors over 128 KiB mapped on their own and returned when freed: what the
-tensors need). Planned: flows/plan.py's peak per trainer rank without the process runtime (the part measured
-here). One thread per process.
+tensors need). Planned: tasks/train/memory_plan.py's peak per trainer rank without the process runtime (the part
+measured here). One thread per process.
 
 Recompute layouts: until tasks/train/trainer.py passes the run's recompute settings to `build_gpt_model`
 (`recompute_overrides(training)`), this script passes them itself by wrapping the trainer's `build_gpt_model`.
@@ -59,11 +59,12 @@ def child(args) -> None:
     import torch
 
     from sluiceway.flows.cli import make_parser, resolve_config
-    from sluiceway.flows.plan import PROCESS_RUNTIME, plan_for_config
+    from sluiceway.flows.preflight import plan_for_config
     from sluiceway.models import megatron_gpt
     from sluiceway.models.zoo import resolve_checkpoint
     from sluiceway.tasks.train import trainer as trainer_module
     from sluiceway.tasks.train.batch import TrainSample
+    from sluiceway.tasks.train.memory_model import PROCESS_RUNTIME
 
     torch.set_num_threads(1)
     base = rss()
@@ -167,7 +168,8 @@ PLANNED = [
 
 
 def planned_table() -> list[str]:
-    from sluiceway.flows.plan import GIB, Layout, Recompute, plan
+    from sluiceway.tasks.train.memory_model import GIB, Layout, Recompute
+    from sluiceway.tasks.train.memory_plan import plan
 
     configs = Path(__file__).resolve().parents[1] / "tests" / "data" / "hf_configs"
     lines = [

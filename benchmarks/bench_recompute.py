@@ -8,7 +8,7 @@ entropy of the last RESPONSE positions of each row (what a policy loss reads), l
 are built) less its resident memory after the imports: weights, gradients, Adam's moments (from the first step)
 and the activations of the micro-batch. Measured twice: with glibc's default malloc settings (what a run gets),
 and with MALLOC_MMAP_THRESHOLD_ fixed at 128 KiB, so that every tensor larger than that is its own mapping and
-goes back to the system when freed (what the tensors themselves need). The plan's column is flows/plan.py's
+goes back to the system when freed (what the tensors themselves need). The plan's column is tasks/train/memory_plan.py's
 prediction (its trainer rank peak without the process runtime). The first step's gradients of every setting are
 compared with no recompute's, element by element. Time: the CPU time of the second step at one thread (CPU time,
 not wall-clock: the machine's cores are shared).
@@ -45,7 +45,6 @@ def child(args) -> None:
     import torch
     from transformers import AutoConfig
 
-    from sluiceway.flows.plan import PROCESS_RUNTIME, Layout, Recompute, plan
     from sluiceway.models.hf_megatron import load_hf_weights
     from sluiceway.models.megatron_gpt import (
         build_gpt_model,
@@ -54,6 +53,8 @@ def child(args) -> None:
         token_logprobs_and_entropy,
     )
     from sluiceway.models.zoo import load_hf_state_dict, resolve_checkpoint
+    from sluiceway.tasks.train.memory_model import PROCESS_RUNTIME, Layout, Recompute
+    from sluiceway.tasks.train.memory_plan import plan
 
     torch.set_num_threads(1)
     base = rss()
@@ -139,8 +140,8 @@ def render(results: dict[str, dict], args) -> str:
         f"last {args.response} positions of each row), two steps, each setting in a fresh process at one thread. "
         "Peak = peak resident memory (VmHWM) less the resident memory after the imports, with glibc's default "
         "malloc settings (what a run gets) and with MALLOC_MMAP_THRESHOLD_=131072 (every tensor over 128 KiB its "
-        "own mapping, returned when freed: what the tensors need); plan = flows/plan.py's prediction. Gradients: "
-        "the largest absolute difference of any element of the first step's gradients from those without "
+        "own mapping, returned when freed: what the tensors need); plan = tasks/train/memory_plan.py's prediction. "
+        "Gradients: the largest absolute difference of any element of the first step's gradients from those without "
         "recompute. Step: the CPU time of the second optimizer step (forward, backward, AdamW).",
         "",
         "| recompute | peak MiB (default malloc) | vs none | peak MiB (128 KiB mmap threshold) | vs none | plan MiB "
@@ -164,8 +165,8 @@ def render(results: dict[str, dict], args) -> str:
         "malloc varies from run to run (one earlier run of this script: 18% above none's). The two peak columns "
         "differ by what glibc keeps of "
         "freed memory: with its default (dynamic) mmap threshold, tensors of a few MiB come from the heap and are "
-        "not all given back; flows/plan.py predicts the tensors (here one micro-batch a step: gradients appear as "
-        "backward frees the activations). On CPU megatron's checkpoint function needs CPU-only RNG helpers "
+        "not all given back; tasks/train/memory_plan.py predicts the tensors (here one micro-batch a step: gradients "
+        "appear as backward frees the activations). On CPU megatron's checkpoint function needs CPU-only RNG helpers "
         "(models/megatron_gpt.py); the gradients are the same bits here and in tests/unit/models/test_recompute.py "
         "(with attention dropout on, so the replay's dropout masks are checked too).",
     ]

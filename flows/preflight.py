@@ -12,9 +12,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sluiceway.flows.config import RunConfig
 from sluiceway.infra.errors import UserError
+
+if TYPE_CHECKING:
+    from sluiceway.tasks.train.memory_model import ModelShape
+    from sluiceway.tasks.train.memory_plan import MemoryPlan
 
 
 def check_data_source(
@@ -189,12 +194,114 @@ def check_teacher(cfg: RunConfig, student: dict | None) -> None:
 
 
 def check_memory(cfg: RunConfig, hf: dict, command: str) -> None:
-    """The memory plan (flows/plan.py) of the trainer ranks and embedded engines must fit the memory there is:
-    a layout that cannot is one line with the numbers. A config.json the plan cannot read is left to the loader."""
-    from sluiceway.flows.plan import ModelShape, check_fits
+    """The memory plan (tasks/train/memory_plan.py) of the trainer ranks and embedded engines must fit the memory
+    there is: a layout that cannot is one line with the numbers. A config.json the plan cannot read is left to the
+    loader."""
+    from sluiceway.tasks.train.memory_model import ModelShape
 
     try:
         ModelShape.from_hf(hf, cfg.training.hf_checkpoint).check_tp(cfg.resources.tensor_model_parallel_size)
     except UserError:
         return
     check_fits(cfg, hf, command)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The memory plan of a config (tasks/train/memory_plan.py), from the config.json files it names
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def read_hf_config(source: str) -> tuple[dict, str]:
+    """(config.json as a dict, where it came from) for a path to a .json file, a model directory (or a run's
+    weights root), or a zoo name (built once, as a run would)."""
+    p = Path(source).expanduser()
+    if p.is_file():
+        try:
+            hf = json.loads(p.read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"{source}: cannot read it as a config.json ({e})") from None
+        if not isinstance(hf, dict):
+            raise UserError(f"{source}: expected a JSON object")
+        return hf, str(p)
+    check_model(source, weights_root_ok=True)
+    hf = model_config(source)
+    if hf is None:
+        raise UserError(f"--hf-checkpoint {source}: no readable config.json")
+    return hf, source
+
+
+def opd_teacher_shape(cfg: RunConfig) -> ModelShape | None:
+    """The teacher of --use-opd --opd-type megatron, from its config.json (None: no teacher in the trainer)."""
+    from sluiceway.tasks.train.memory_model import ModelShape
+
+    a = cfg.algorithm
+    if not (a.use_opd and a.opd_type == "megatron" and a.opd_teacher_load):
+        return None
+    try:
+        hf, _ = read_hf_config(a.opd_teacher_load)
+    except UserError as e:
+        raise UserError(str(e).replace("--hf-checkpoint", "--opd-teacher-load", 1)) from None
+    return ModelShape.from_hf(hf, f"--opd-teacher-load {a.opd_teacher_load}")
+
+
+def plan_for_config(
+    cfg: RunConfig,
+    command: str = "run",
+    hf: dict | None = None,
+    available_gib: float | None = None,
+    bf16: bool | None = None,
+) -> MemoryPlan:
+    """The plan of the run `cfg` describes; `available_gib` replaces the memory found here (the GPU's with
+    --device cuda, else the machine's)."""
+    from sluiceway.tasks.train import memory_plan as mp
+    from sluiceway.tasks.train.memory_model import Layout
+
+    source = cfg.training.hf_checkpoint
+    name = source
+    if hf is None:
+        hf, name = read_hf_config(source)
+    teacher = opd_teacher_shape(cfg) if command in ("run", "replay") else None
+    lay = Layout.from_config(cfg, command, bf16, teacher, engine_max_total_len(cfg))
+    cpu, gpu, label = mp.machine_memory(), None, ""
+    if lay.device == "cuda":
+        gpu, label = mp.gpu_memory()
+        label = label or "the GPU"
+    if available_gib is not None:
+        if lay.device == "cuda":
+            gpu, label = int(available_gib * mp.GIB), "--available-gib"
+        else:
+            cpu = int(available_gib * mp.GIB)
+    return mp.plan(hf, lay, name, cpu, gpu, label)
+
+
+def check_fits(cfg: RunConfig, hf: dict, command: str) -> None:
+    """Refuse (UserError, one line) a layout that cannot fit. `precision auto` is checked at whichever of bf16
+    and fp32 takes less, since the choice is made later."""
+    if cfg.training.precision == "auto":
+        plans = [plan_for_config(cfg, command, hf, bf16=b) for b in (True, False)]
+    else:
+        plans = [plan_for_config(cfg, command, hf)]
+    if any(p.fits for p in plans):
+        return
+    best = min(plans, key=lambda p: max((need - (avail or need)) for _, need, avail, _ in p.verdicts()))
+    raise UserError(best.summary())
+
+
+def print_plan(cfg: RunConfig, available_gib: float | None = None) -> int:
+    """`sluiceway plan`: print the plan of the run `cfg` describes; 0 if it fits, 1 if not."""
+    t = cfg.training
+    bf16, note = None, ""
+    if t.precision == "auto":
+        if cfg.resources.device == "cuda":  # planned for the GPU the layout names, not for this machine
+            bf16, note = True, "auto: planned as bf16 (what a GPU with native bf16 computes in)"
+        else:
+            from sluiceway.infra.precision import choose
+
+            choice = choose("auto", "cpu")
+            bf16, note = choice.bf16, choice.reason
+    command = "sft" if cfg.algorithm.loss_type == "sft_loss" else "run"
+    p = plan_for_config(cfg, command, available_gib=available_gib, bf16=bf16)
+    if note:
+        print(f"precision: {'bf16' if bf16 else 'fp32'} ({note})")
+    print(p.render(), end="")
+    return 0 if p.fits else 1

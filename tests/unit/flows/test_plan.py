@@ -1,4 +1,4 @@
-"""The memory plan (flows/plan.py): its formulas against parameter counts and bytes known exactly, its
+"""The memory plan (tasks/train/memory_plan.py): its formulas against parameter counts and bytes known exactly, its
 activations against what autograd keeps, and `sluiceway plan` / the run's refusal from the command line.
 
 Plan against measured peak memory of a real trainer: benchmarks/bench_plan.py, in docs/benchmarks.md."""
@@ -13,7 +13,8 @@ from paths import ROOT
 
 from sluiceway.flows.cli import main, make_parser, resolve_config
 from sluiceway.flows.config import validate_for
-from sluiceway.flows.plan import (
+from sluiceway.infra.errors import UserError
+from sluiceway.tasks.train.memory_model import (
     FULL_RECOMPUTE,
     GIB,
     Layout,
@@ -21,9 +22,8 @@ from sluiceway.flows.plan import (
     Recompute,
     activation_bytes,
     micro_batch_shape,
-    plan,
 )
-from sluiceway.infra.errors import UserError
+from sluiceway.tasks.train.memory_plan import plan
 
 CONFIGS = ROOT / "tests" / "data" / "hf_configs"
 # Parameter counts of the shipped configs: what transformers builds from them (counted on the meta device, below)
@@ -210,7 +210,7 @@ def test_plan_command_prints_the_breakdown(capsys):
 
 def test_run_refuses_a_layout_that_cannot_fit(tmp_path, capsys, monkeypatch):
     """An 8B model trained on a CPU machine of 64 GiB: refused before anything starts, one line with the numbers."""
-    monkeypatch.setattr("sluiceway.flows.plan.machine_memory", lambda: 64 * GIB)
+    monkeypatch.setattr("sluiceway.tasks.train.memory_plan.machine_memory", lambda: 64 * GIB)
     argv = ["run", "--hf-checkpoint", str(CONFIGS / "llama-3.1-8b"), "--prompt-data", "env:arithmetic",
             "--output-dir", str(tmp_path / "out"), "--rollout-max-response-len", "64"]  # fmt: skip
     assert main(argv) == 2
@@ -224,7 +224,7 @@ def test_run_refuses_a_layout_that_cannot_fit(tmp_path, capsys, monkeypatch):
 def test_plan_fits_the_tiny_run(tiny):
     path, _ = tiny
     cfg = cfg_from(["run", "--hf-checkpoint", str(path), "--prompt-data", "env:arithmetic"])
-    from sluiceway.flows.plan import check_fits, plan_for_config
+    from sluiceway.flows.preflight import check_fits, plan_for_config
 
     check_fits(cfg, json.loads((path / "config.json").read_text()), "run")  # no refusal
     p = plan_for_config(cfg)

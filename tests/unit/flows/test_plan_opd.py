@@ -5,7 +5,8 @@ from __future__ import annotations
 from paths import ROOT
 
 from sluiceway.flows.cli import make_parser, resolve_config
-from sluiceway.flows.plan import GIB, plan_for_config
+from sluiceway.flows.preflight import plan_for_config
+from sluiceway.tasks.train.memory_model import GIB
 
 CONFIGS = ROOT / "tests" / "data" / "hf_configs"
 

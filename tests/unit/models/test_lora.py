@@ -134,8 +134,8 @@ def test_target_names():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_memory_plan_counts_the_adapters(kind):
-    """flows/plan.py's adapter count (what `sluiceway plan` and the preflight use) is the trainer's."""
-    from sluiceway.flows.plan import ModelShape
+    """tasks/train/memory_model.py's adapter count (what `sluiceway plan` and the preflight use) is the trainer's."""
+    from sluiceway.tasks.train.memory_model import ModelShape
 
     hf = hf_model(kind)
     targets = ("q_proj", "v_proj", "down_proj")
