@@ -42,7 +42,7 @@ SMALL = [
 
 def convert(out: Path, script: Path = SCRIPT, model: str = "tiny-llama") -> tuple[Path, dict]:
     """A copy of slime's script whose model file is `model`'s, and the environment it reads."""
-    from sluiceway.flows.slime_compat import hf_config_of, model_args
+    from sluiceway.flows.slime.architecture import hf_config_of, model_args
 
     out.mkdir(parents=True, exist_ok=True)
     model_file = out / f"{model}.sh"

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pydantic_core import PydanticUndefined
 
 from sluiceway.flows.config import RunConfig
-from sluiceway.flows.slime_compat import render_table
+from sluiceway.flows.slime.docs import render_table
 
 
 def _default(field) -> str:

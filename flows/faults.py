@@ -1,6 +1,6 @@
 """The one place a failed command becomes one line: what failed, where, and how to recover.
 
-The CLI (flows/cli.py) calls `explain` with whatever ended the command. A user's mistake (`UserError`) exits 2; a
+The CLI (flows/cli/main.py) calls `explain` with whatever ended the command. A user's mistake (`UserError`) exits 2; a
 fault of the machine or a service exits 1. Known faults (a full disk, an object store that stayed down, a Delta
 table that cannot be read, a damaged checkpoint) get a message written for them; anything else is named by its
 type and first line. The full traceback goes to the run's log file (flows/run.py `configure_logging`), never to

@@ -65,7 +65,7 @@ def send_native_stderr_to_log(cfg: RunConfig) -> None:
     """Native libraries write to file descriptor 2 directly (deltalake's Rust panics when a write fails midway,
     gloo's and torch's C++ warnings): during a run that goes to the run's log file. Python's own stderr (the
     logging handler, warnings, the one-line error) stays on the terminal. Called before configure_logging, whose
-    terminal handler must hold the new sys.stderr; only by the console script (flows/cli.py `entry`)."""
+    terminal handler must hold the new sys.stderr; only by the console script (flows/cli/main.py `entry`)."""
     path = run_log_path(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     sys.stderr.flush()

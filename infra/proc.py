@@ -238,7 +238,7 @@ class _Stopper:
         self.log_path: str | None = None
         self.signum = 0
         self.woken = False
-        self.exit_code: int | None = None  # the command's, once `main` returned (flows/cli.py `entry`)
+        self.exit_code: int | None = None  # the command's, once `main` returned (flows/cli/main.py `entry`)
         self.thread = threading.Thread(target=self._watch, name="sluiceway-signals", daemon=True)
 
     def _watch(self) -> None:
@@ -380,7 +380,7 @@ def _forget_in_child() -> None:
 
 
 def set_exit_code(code: int) -> None:
-    """The command's exit code (flows/cli.py `entry`, before sys.exit): `_exit_with_the_code` ends with it."""
+    """The command's exit code (flows/cli/main.py `entry`, before sys.exit): `_exit_with_the_code` ends with it."""
     if _stopper:
         _stopper[0].exit_code = code
 
@@ -407,7 +407,7 @@ def stopping() -> bool:
 
 
 def hold_if_stopping() -> None:
-    """Where the main thread would end the process (flows/cli.py `entry`): not while a signal is ending it, so
+    """Where the main thread would end the process (flows/cli/main.py `entry`): not while a signal is ending it, so
     the exit code is the signal's."""
     if stopping():
         _stopper[0].hold()

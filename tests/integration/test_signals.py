@@ -3,7 +3,7 @@
 Each interrupted run must exit within 10 s with 130 (SIGINT) or 143 (SIGTERM), `interrupted` as the last line of
 stderr and no traceback, leave no process behind (every process carrying the test's tag: engines, router,
 Prefect's server, the trainer group), and be finished by `sluiceway resume`. Time zero is the moment the
-`sluiceway` process has its handlers (SIGTERM caught, /proc/PID/status), which flows/cli.py installs before its
+`sluiceway` process has its handlers (SIGTERM caught, /proc/PID/status), which flows/cli/__init__.py installs before its
 first slow import: a signal during the imports is the case that once ended in `KeyError: 'Algorithm already
 exists in dispatch namespace'` (networkx half imported) and exit 1.
 """
@@ -42,7 +42,7 @@ def run_command(run_dir: Path, *extra: str) -> list[str]:
 
 
 def handlers_installed(pid: int) -> bool:
-    """The process catches SIGTERM: flows/cli.py installed its handlers (Python itself catches only SIGINT)."""
+    """The process catches SIGTERM: flows/cli/__init__.py installed its handlers (Python itself catches only SIGINT)."""
     try:
         with open(f"/proc/{pid}/status") as f:
             caught = next(int(ln.split()[1], 16) for ln in f if ln.startswith("SigCgt:"))

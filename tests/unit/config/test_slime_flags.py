@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from sluiceway.flows import cli, slime_compat
-from sluiceway.flows.slime_script import read_slime_script
+from sluiceway.flows import cli, slime
+from sluiceway.flows.slime import docs, translate
+from sluiceway.flows.slime.script import read_slime_script
 from sluiceway.infra.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -28,7 +29,7 @@ SCRIPTS = {
 }
 # scripts/models/qwen3-30B-A3B.sh builds this with a loop and printf -v, which the reader does not run
 ENV = {"MOE_LAYER_FREQ": "[" + ",".join(["1"] * 48) + "]"}
-KINDS = {slime_compat.IMPLEMENTED, slime_compat.MAPPED, slime_compat.NOT_APPLICABLE, slime_compat.ARCHITECTURE}
+KINDS = {slime.IMPLEMENTED, slime.MAPPED, slime.NOT_APPLICABLE, slime.ARCHITECTURE}
 
 
 def flag_lines(name: str) -> list[list[str]]:
@@ -54,31 +55,31 @@ def test_the_flag_lists_are_the_scripts_flags(name):
 def test_every_flag_of_slimes_scripts_is_accepted(name, capsys):
     lines = flag_lines(name)
     for line in lines:
-        assert slime_compat.classify(line[0]) in KINDS, f"{line[0]} of {name} is unknown"
+        assert slime.classify(line[0]) in KINDS, f"{line[0]} of {name} is unknown"
     words = [w for line in lines for w in line]
     rc, err = run_config([*words, "--hf-checkpoint", str(CONFIGS / SCRIPTS[name][1])], capsys)
     assert rc == 0, err
     assert err == ""
-    report = "\n".join(slime_compat._PENDING)
+    report = "\n".join(translate._PENDING)
     flags = {line[0] for line in lines}
     for flag in flags:
-        kind = slime_compat.classify(flag)
-        if kind == slime_compat.NOT_APPLICABLE:  # reported, once, in the line the run logs
-            (na_line,) = [x for x in slime_compat._PENDING if "not applicable" in x]
+        kind = slime.classify(flag)
+        if kind == slime.NOT_APPLICABLE:  # reported, once, in the line the run logs
+            (na_line,) = [x for x in translate._PENDING if "not applicable" in x]
             assert flag in na_line
-        elif kind == slime_compat.ARCHITECTURE:
+        elif kind == slime.ARCHITECTURE:
             assert flag in report
-    assert sum("not applicable" in x for x in slime_compat._PENDING) <= 1
+    assert sum("not applicable" in x for x in translate._PENDING) <= 1
 
 
 def test_counts_over_the_six_scripts():
     """What the issue counted as rejected (128 of 318 run flags, all 130 architecture flags) is accepted now."""
     uses = [line[0] for name in SCRIPTS for line in flag_lines(name)]
-    kinds = [slime_compat.classify(f) for f in uses]
+    kinds = [slime.classify(f) for f in uses]
     assert None not in kinds
-    distinct = {f: slime_compat.classify(f) for f in uses}
+    distinct = {f: slime.classify(f) for f in uses}
     by_kind = {k: sum(1 for v in distinct.values() if v == k) for k in KINDS}
-    assert by_kind[slime_compat.ARCHITECTURE] >= 40 and by_kind[slime_compat.NOT_APPLICABLE] >= 20
+    assert by_kind[slime.ARCHITECTURE] >= 40 and by_kind[slime.NOT_APPLICABLE] >= 20
 
 
 def test_mapped_flags_become_fields(tmp_path, capsys):
@@ -97,9 +98,9 @@ def test_mapped_flags_become_fields(tmp_path, capsys):
     assert cfg["sync"]["weights_uri"] == str(tmp_path / "w")
     assert cfg["rollout"]["mode"] == "fully-async"
     args = cli.make_parser().parse_args(["run", "--save", "d", "--colocate"])
-    given = slime_compat.take(args)
+    given = slime.take(args)
     assert vars(args)["storage.output_dir"] == "d"
-    assert given.of_kind(slime_compat.NOT_APPLICABLE) == {"--colocate": True}
+    assert given.of_kind(slime.NOT_APPLICABLE) == {"--colocate": True}
 
 
 def test_a_slime_command_line_gets_slimes_defaults(capsys):
@@ -117,7 +118,7 @@ def test_a_slime_command_line_gets_slimes_defaults(capsys):
     assert cfg["training"]["lr_decay_style"] == "constant"  # given by the script
     assert cfg["resources"]["actor_num_gpus_per_node"] == 4  # 16 GPUs at TP 2 x PP 2 x CP 2: DP 2 at TP 2
     assert cfg["sync"]["update_weight_mode"] == "delta"
-    assert any("Megatron's default 0.1" in line for line in slime_compat._PENDING)
+    assert any("Megatron's default 0.1" in line for line in translate._PENDING)
     capsys.readouterr()
     assert cli.main(["config", *words, "--calculate-per-token-loss", "--rollout-temperature", "0.7",
                      "--hf-checkpoint", str(CONFIGS / "GLM-4.7-Flash")]) == 0  # fmt: skip
@@ -175,7 +176,7 @@ def test_load_elsewhere_holding_a_checkpoint_is_refused(tmp_path, capsys):
 
 def test_help_says_how_slime_flags_are_treated(capsys):
     with pytest.raises(SystemExit):
-        cli.make_parser().parse_args(["run", "--help"])
+        cli.make_parser().parse_args(["run", "--help-slime"])  # `run --help` lists sluiceway's own flags
     out = capsys.readouterr().out
     assert "slime compatibility" in out and "--from-slime-script" in out
     assert "[mapped] onto --output-dir" in out and "[not applicable]" in out
@@ -220,7 +221,7 @@ def test_script_reader(tmp_path):
 
 def test_docs_are_current():
     doc = ROOT / "docs" / "slime.md"
-    assert doc.read_text() == slime_compat.render_markdown(), "regenerate: python -m sluiceway.flows.slime_compat"
+    assert doc.read_text() == docs.render_markdown(), "regenerate: python -m sluiceway.flows.slime.docs"
 
 
 def test_rm_type_deepscaler():
@@ -259,8 +260,8 @@ def test_warmup_fraction_wandb_key_and_sft_switch(capsys, monkeypatch):
     out, _ = capsys.readouterr()
     assert yaml.safe_load(out)["training"]["lr_warmup_iters"] == 2  # 0.1 x (10 x 8 x 4 / 16 = 20 steps)
     assert "secret-key" not in out and os.environ.get("WANDB_API_KEY") == "secret-key"
-    assert "***" in "\n".join(slime_compat.describe(["--wandb-key", "secret-key"]))
-    assert "secret-key" not in "\n".join(slime_compat.describe(["--wandb-key", "secret-key"]))
+    assert "***" in "\n".join(slime.describe(["--wandb-key", "secret-key"]))
+    assert "secret-key" not in "\n".join(slime.describe(["--wandb-key", "secret-key"]))
     rc, err = run_config([*base, "--disable-compute-advantages-and-returns"], capsys)
     assert rc == 2 and "--loss-type sft_loss" in err
 
@@ -271,7 +272,7 @@ def test_slime_custom_functions_are_named_as_needing_a_port():
     from sluiceway.infra.plugins import load_function
 
     words = [w for line in flag_lines("run_qwen2.5_3B") for w in line]
-    lines = slime_compat.describe(words)
+    lines = slime.describe(words)
     (gen,) = [x for x in lines if x.strip().startswith("--custom-generate-function-path")]
     assert "port it" in gen and "slime's function" in gen
     with pytest.raises(UserError, match="slime-style dotted path"):
@@ -286,5 +287,5 @@ def test_slime_normalisation_flags_and_no_prefix_matching():
     assert main(["config", "--prompt-data", "env:arithmetic", "--disable-rewards-normalization"]) == 2
     assert main(["config", "--prompt-data", "env:arithmetic", "--normalize-advantages-by"]) == 2  # no prefixes
     args = cli.make_parser().parse_args(["run", "--disable-grpo-std-normalization"])
-    slime_compat.take(args)
+    slime.take(args)
     assert vars(args)["algorithm.normalize_advantages_by_std"] is False

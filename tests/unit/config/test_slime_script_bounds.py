@@ -16,8 +16,8 @@ import sys
 
 import pytest
 
-from sluiceway.flows import slime_script
-from sluiceway.flows.slime_script import read_slime_script
+from sluiceway.flows.slime import script as slime_script
+from sluiceway.flows.slime.script import read_slime_script
 from sluiceway.infra.errors import UserError
 
 
@@ -37,7 +37,7 @@ def bounded_run(args: list[str], **kw) -> subprocess.CompletedProcess:
 
 
 READ = """import sys
-from sluiceway.flows.slime_script import read_slime_script
+from sluiceway.flows.slime.script import read_slime_script
 from sluiceway.infra.errors import UserError
 try:
     read_slime_script(sys.argv[1], env={})

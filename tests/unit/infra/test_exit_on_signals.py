@@ -29,7 +29,7 @@ where = sys.argv[1]
 sys.path.insert(0, sys.argv[3])
 print("ready", flush=True)
 code = 0
-try:  # as flows/cli.py `entry`
+try:  # as flows/cli/main.py `entry`
     if where == "import":
         import slow_module  # sleeps in its body: a signal arrives mid-import
     elif where == "c-call":
@@ -44,7 +44,7 @@ try:  # as flows/cli.py `entry`
         try:
             time.sleep(300)
         except TerminationSignal:
-            hold_if_stopping()  # as flows/cli.py `main` before it prints a failure
+            hold_if_stopping()  # as flows/cli/main.py `main` before it prints a failure
             print("error: the flow failed", file=sys.stderr, flush=True)  # the failure path: must not show
             code = 1
     elif where == "sleep":

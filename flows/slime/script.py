@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -529,3 +530,28 @@ def read_slime_script(path: str | Path, env: dict[str, str] | None = None) -> Sl
     else:
         argv = reader.command
     return SlimeScript(p, argv, reader.arrays, reader.sources)
+
+
+def splice_slime_script(argv: list[str]) -> list[str]:
+    """`--from-slime-script FILE` on a command line: the script's train.py flags in its place (later flags override
+    them), after printing how each is treated."""
+    from sluiceway.flows.slime.translate import describe
+
+    for i, word in enumerate(argv):
+        if word == "--":
+            break
+        if word == "--from-slime-script" or word.startswith("--from-slime-script="):
+            if "=" in word:
+                path, rest = word.split("=", 1)[1], argv[i + 1 :]
+            elif i + 1 < len(argv):
+                path, rest = argv[i + 1], argv[i + 2 :]
+            else:
+                raise UserError("--from-slime-script: expected a slime launch script")
+            script = read_slime_script(path)
+            print(f"slime script {path}: {len(script.argv)} words from its train.py line"
+                  + (f" (sourced: {', '.join(str(p) for p in script.sources)})" if script.sources else ""),
+                  file=sys.stderr)  # fmt: skip
+            for line in describe(script.argv):
+                print(line, file=sys.stderr)
+            return [*argv[:i], *script.argv, *rest]
+    return argv

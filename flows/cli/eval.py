@@ -1,0 +1,16 @@
+"""`sluiceway eval [CONFIG.yaml] --hf-checkpoint M --eval-prompt-data ...`: evaluate a model, no training
+(flows/eval.py)."""
+
+from __future__ import annotations
+
+from sluiceway.flows.cli.flow import dispatch
+from sluiceway.flows.cli.parser import add_config_command, configured
+
+
+def add_parser(sub) -> None:
+    add_config_command(sub, "eval", "evaluate a model (zoo name, HF directory, or a run's weights) on the eval sets",
+                       hidden=("algorithm", "replay"))  # fmt: skip
+
+
+def run(args) -> int:
+    return dispatch("eval", configured(args))

@@ -1,0 +1,146 @@
+"""docs/slime.md, rendered from the flag table (python -m sluiceway.flows.slime.docs > docs/slime.md; a test keeps
+it current), and the table's rows for docs/configuration.md's last section."""
+
+from __future__ import annotations
+
+from sluiceway.flows.slime.flag_table import SLIME_FLAGS
+from sluiceway.flows.slime.translate import SLIME_DEFAULTS
+from sluiceway.flows.slime.treatments import ARCHITECTURE, IMPLEMENTED, MAPPED, NOT_APPLICABLE, REFUSED, SLIME_COMMIT
+
+
+def _rows(kind: str) -> list[str]:
+    rows = []
+    for flag, spec in sorted(SLIME_FLAGS.items()):
+        if spec.kind == kind:
+            note = spec.note.replace("|", "\\|")
+            rows.append(f"| `{flag}` | {note} |")
+    return rows
+
+
+def render_table() -> list[str]:
+    """The flags of this module as one markdown table (docs/configuration.md's last section)."""
+    lines = ["| flag | treatment | meaning here |", "| --- | --- | --- |"]
+    for kind in (IMPLEMENTED, MAPPED, NOT_APPLICABLE, ARCHITECTURE, REFUSED):
+        for row in _rows(kind):
+            flag, note = row[2:].split(" | ", 1)
+            lines.append(f"| {flag} | {kind} | {note}")
+    return lines
+
+
+def render_markdown() -> str:
+    """docs/slime.md."""
+    lines = [
+        "# slime compatibility",
+        "",
+        "Generated from `flows/slime/` by `python -m sluiceway.flows.slime.docs`; do not edit by hand.",
+        "",
+        "A slime launch script's flags run through `sluiceway run` as they are, or the script itself:",
+        "",
+        "    sluiceway run --from-slime-script scripts/run-qwen3-4B.sh [--flag value ...]",
+        "",
+        "reads its `*_ARGS=( ... )` arrays, the model files it `source`s and its `python3 train.py ...` line",
+        "(flows/slime/script.py: simple assignments, `${VAR:-default}`, `$((...))`, `$(seq ...)` and the",
+        "environment; a value computed by other shell code is one error line naming the file and line), prints",
+        "how each flag is treated, then runs. Flags after the script override it.",
+        "`examples/run_slime_example_cpu.py` runs slime's fully-async example this way on the CPU with tiny-llama.",
+        "",
+        "`sluiceway run --help-slime` lists the flags of the tables below and how each is treated; `sluiceway run",
+        "--help` lists only sluiceway's own flags (the config fields) and ends with a line pointing here. `run`, `sft`,",
+        "`replay`, `eval`, `config` and `plan` all accept these flags.",
+        "",
+        f"Checked against THUDM/slime `{SLIME_COMMIT[:12]}`: every flag of `scripts/run-qwen3-4B.sh`,",
+        "`run-glm4-9B.sh`, `run-qwen3-30B-A3B.sh`, `examples/fully_async/run-qwen2.5-0.5B-fully_async.sh`,",
+        "`examples/search-r1/run_qwen2.5_3B.sh`, `examples/delta_weight_sync/run-glm4.7-30B-A3B-delta.sh` and the",
+        "model files they source is accepted (tests/unit/config/test_slime_flags.py; the flag lists are in",
+        "tests/data/slime_flags/). Across all 44 launch scripts of slime's `scripts/` and `examples/` at that",
+        "commit every flag has a treatment in the tables below; 43 of them are read as they are (the geo3k VLM",
+        "example computes `MODEL_NAME_LOWER` with shell code: give it in the environment). A few flags of the",
+        "rest change results in ways not implemented here and are refused (last table).",
+        "",
+        "## Flags that are sluiceway fields",
+        "",
+        "Every config field is a flag of the same name (docs/configuration.md), which is slime's name where slime",
+        "has the setting: `--rollout-batch-size`, `--n-samples-per-prompt`, `--global-batch-size`, `--lr`,",
+        "`--eps-clip-high`, `--kl-loss-type`, `--tensor-model-parallel-size`, `--recompute-*`, `--eval-*`, ... These",
+        "mean what they mean in slime. `--sglang-X V` flags are passed to SGLang engines as `--X V`",
+        "(`--rollout-engine sglang`); with the embedded engine they are listed once in the log as not applicable.",
+        "`--rm-type deepscaler` grades the answer after `</think>` as slime's rm_hub does.",
+        "",
+        "A slime command line on one machine without `--ray-address` (it has flags of the tables below):",
+        "`--rollout-num-gpus` is not applicable (the engines are embedded here), `--actor-num-nodes N",
+        "--actor-num-gpus-per-node G` is N x G trainer processes here, pipeline and context parallel GPUs become",
+        "the same data-parallel size without them (`--pipeline-model-parallel-size` > 1 runs at 1: the same",
+        "computation), and `--use-kl-loss --kl-loss-coef 0` leaves the zero-weight KL term out (slime logs its",
+        "value; the loss is the same). Each of these is one line in the run's log.",
+        "",
+        "slime's defaults: a slime command line (one with a flag of the tables below, as slime's scripts all have)",
+        "that leaves one of these out gets slime's (or Megatron's) value instead of sluiceway's, and the run logs",
+        "which: "
+        + ", ".join(f"`--{k.split('.', 1)[1].replace('_', '-')} {v}`" for k, v in SLIME_DEFAULTS.items())
+        + " (slime's loss is the mean of per-sample token means unless `--calculate-per-token-loss`). Two of",
+        "slime's defaults are not honoured, and the run's log says so when a command line relies on them: prompts",
+        "in file order without `--rollout-shuffle` (sluiceway shuffles each epoch), and Megatron's dropout 0.1",
+        "without `--attention-dropout 0.0 --hidden-dropout 0.0` (sluiceway trains without dropout).",
+        "",
+        "Custom functions: `--custom-generate-function-path` and `--custom-rm-path` are sluiceway fields, but the",
+        "functions slime's examples name (`generate_with_search.generate`, slime's dotted form) take slime's",
+        "`(args, Sample, ...)` and import slime; they are not run as they are. Port them to sluiceway's",
+        "interfaces (tasks/rollout/multiturn.py; a scorer is `fn(response, label, sample)`) and pass",
+        "`module:function`; a slime-style dotted path stops the run with one line saying so.",
+        "",
+        "## Implemented",
+        "",
+        "slime's meaning holds here; a value sluiceway does not implement is one error line.",
+        "",
+        "| flag | meaning here |",
+        "| --- | --- |",
+        *_rows(IMPLEMENTED),
+        "",
+        "## Mapped onto sluiceway fields",
+        "",
+        "| flag | becomes |",
+        "| --- | --- |",
+        *_rows(MAPPED),
+        "",
+        "`--load`/`--save`/`--ref-load`: slime's checkpoint directories. `--save DIR` is the run directory, where",
+        "sluiceway's checkpoints go; `--load` naming the same directory (slime's usual `--load X --save X`) is",
+        "accepted, and a run in it is continued with `sluiceway resume DIR`; a `--load` elsewhere that holds",
+        "anything (a Megatron torch_dist checkpoint) is refused with one line: convert it to HF and pass",
+        "`--hf-checkpoint`. `--ref-load` is the torch_dist conversion of the HF checkpoint in slime's scripts:",
+        "the reference model here is `--hf-checkpoint` itself (logged once).",
+        "",
+        "## Not applicable on this device",
+        "",
+        "GPU kernels, collectives, memory layouts and placement: accepted, no effect on results here, listed",
+        "once in the run's log (`slime flags not applicable on this device ...`).",
+        "",
+        "| flag | what it does in slime |",
+        "| --- | --- |",
+        *_rows(NOT_APPLICABLE),
+        "",
+        "## Model architecture",
+        "",
+        "The model is built from `--hf-checkpoint`'s config.json. These flags (slime's `scripts/models/*.sh`)",
+        "are checked against it before anything starts: agreeing flags are accepted (listed once in the log), a",
+        "contradiction is one error line naming both values, e.g.",
+        "`error: --hidden-size 4096 contradicts --hf-checkpoint DIR: its config.json has hidden_size 2560`.",
+        "",
+        "| flag | config.json |",
+        "| --- | --- |",
+        *_rows(ARCHITECTURE),
+        "",
+        "## Refused",
+        "",
+        "Settings that change results and are not implemented here: one error line, never ignored. None of the",
+        "six scripts above uses one; across the rest of slime's `scripts/` and `examples/` these appear:",
+        "",
+        "| flag | why |",
+        "| --- | --- |",
+        *_rows(REFUSED),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(render_markdown(), end="")
