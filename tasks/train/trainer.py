@@ -8,7 +8,9 @@ rank keeps only its shard of the masters and of AdamW's moments (ZeRO-1, zero.py
 
 The trainer holds the models, optimizer and parallel layout and runs the steps; what a step uses lives beside it:
 the samples (`TrainSample`) in batch.py, their micro-batches in collation.py, the objectives in losses.py, the
-LR schedule in lr_schedule.py, the checkpoint directory format in checkpoint.py, the critic in critic.py.
+LR schedule in lr_schedule.py, the checkpoint directory format in checkpoint.py, the critic in critic.py. What
+trains of the model (every weight, or adapters on a frozen base) is a transform it composes (model_transform.py);
+the memory this all takes is planned in memory_plan.py.
 """
 
 from __future__ import annotations
