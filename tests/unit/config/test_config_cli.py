@@ -76,7 +76,7 @@ def test_configuration_reference_is_current():
 def test_embedded_engines_share_the_cores():
     import os
 
-    from sluiceway.flows.engines import embedded_engine_threads
+    from sluiceway.infra.engine_fleet import embedded_engine_threads
 
     cores = len(os.sched_getaffinity(0))
     base = ["run", "--prompt-data", "env:arithmetic"]
