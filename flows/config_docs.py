@@ -21,7 +21,7 @@ def render_markdown() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `flows/config.py` by `python -m sluiceway.flows.config_docs`; do not edit by hand.",
+        "Generated from `flows/config/` by `python -m sluiceway.flows.config_docs`; do not edit by hand.",
         "",
         "A run config is YAML with one mapping per group; every field is also a command-line flag",
         "(`rollout_batch_size` -> `--rollout-batch-size`, booleans as `--flag` / `--no-flag`). Flags override",

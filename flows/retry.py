@@ -63,7 +63,7 @@ MAX_RETRY_DELAY_S = 30.0  # doubling stops here: an outage's end is noticed with
 
 
 def retry_delays(durability) -> list[float]:
-    """The waits before each retry of a run's `durability` settings (flows/config.py DurabilityConfig)."""
+    """The waits before each retry of a run's `durability` settings (flows/config/durability.py)."""
     return backoff_delays(durability.retry_backoff_s, durability.stage_retries, durability.retry_budget_s)
 
 

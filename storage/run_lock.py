@@ -35,7 +35,7 @@ from sluiceway.storage.object_store import ObjectStore
 log = logging.getLogger("sluiceway")
 
 LOCK_FILE = ".sluiceway.lock"
-# Longer than the stages' default retry budget (flows/config.py retry_budget_s, 90 s): a run riding out an object
+# Longer than the stages' default retry budget (retry_budget_s in flows/config/, 90 s): a run riding out an object
 # store outage cannot beat meanwhile, and must not lose its lease before its retries give up.
 LEASE_TTL_S = 150.0
 

@@ -1,6 +1,6 @@
 """A bounded, seeded fuzz of what a user hands `sluiceway run`: flag values, YAML config files, prompt files.
 
-Every input generated here is wrong in a way the checks before anything starts must catch (flows/config.py's
+Every input generated here is wrong in a way the checks before anything starts must catch (flows/config/'s
 validation, flows/preflight.py's file and length checks), so each must end `main` with exit 2 and one stderr line
 "error: ..." and no traceback. `main` runs in process (about 10 ms an input); getting past the preflight to
 configure_logging, the first step of a started run, fails the case, and no child process may appear.
