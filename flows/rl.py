@@ -287,10 +287,10 @@ class _Stages:
             self.pending[s] = (roll, rew, tea)
             self.last = tea if tea is not None else rew
 
-    def generated(self, step: int) -> tuple[dict, dict]:
-        """The step's rollout and reward results (with OPD, the teacher stage's under the reward's "teacher")."""
+    def generated(self, step: int) -> tuple[dict, dict, dict | None]:
+        """The step's rollout, reward and (with OPD's engine teacher, else None) teacher stage results."""
         roll, rew, tea = self.pending.pop(step)
-        return roll.result(), rew.result() | ({"teacher": tea.result()} if tea is not None else {})
+        return roll.result(), rew.result(), tea.result() if tea is not None else None
 
     def wait_in_flight(self) -> None:
         for _, rew, tea in self.pending.values():
@@ -340,7 +340,7 @@ def _run_steps(cfg: RunConfig) -> dict:
         for step in range(start, total):
             t0 = time.perf_counter()
             stages.generate_ahead(step, total)  # sync: this step; async modes: also the next ones
-            roll, rew = stages.generated(step)
+            roll, rew, tea = stages.generated(step)
             arts.progress(step + 0.5)
             kept = stages.filter(cfg.run_id, step)
             m = stages.train(cfg.run_id, step)
@@ -361,8 +361,7 @@ def _run_steps(cfg: RunConfig) -> dict:
                     **rew.get("levels", {}),
                 }
             )
-            if "teacher" in rew:  # requests this process sent (0 for a step whose scores were already stored)
-                tea = rew["teacher"]
+            if tea is not None:  # requests this process sent (0 for a step whose scores were already stored)
                 m["opd/teacher_requests"] = 0.0 if tea.get("resumed") else float(tea["requests"])
                 m["opd/teacher_stored"] = float(tea["stored"])
             d = cfg.durability

@@ -63,6 +63,30 @@ def micro_batch_opd(mb, student_logp: torch.Tensor, kl_coef: float, teacher_logp
     return opd_advantages(mb.advantages, student_logp, teacher, mb.loss_mask, kl_coef)
 
 
+class DistillationTerm:
+    """--use-opd in the trainer, in one place: the advantage term and, with opd_type megatron, the frozen teacher
+    model it owns (opd_type sglang's teacher is an engine; its log-probs arrive in the micro-batch).
+
+    `logprobs(model, mb)` is the trainer's own log-prob function, so the teacher scores a micro-batch in the
+    layout the student's log-probs have."""
+
+    def __init__(self, algorithm, student_config, dtype: torch.dtype, device: torch.device, logprobs):
+        self.kl_coef = algorithm.opd_kl_coef
+        self.teacher_model = None
+        if algorithm.opd_type == "megatron":
+            self.teacher_model = build_teacher_model(algorithm.opd_teacher_load, student_config, dtype, device)
+        self._logprobs = logprobs
+
+    @torch.no_grad()
+    def _teacher_logp(self, mb) -> torch.Tensor | None:
+        """The megatron teacher's log-probs of the micro-batch's tokens (its unscaled distribution), or None."""
+        return None if self.teacher_model is None else self._logprobs(self.teacher_model, mb)
+
+    def shift(self, mb, student_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the micro-batch's advantages with the term applied, the per-token reverse KL): `micro_batch_opd`."""
+        return micro_batch_opd(mb, student_logp, self.kl_coef, self._teacher_logp)
+
+
 def build_teacher_model(source: str, student_config, dtype: torch.dtype, device: torch.device):
     """opd_type megatron: the frozen teacher GPTModel from an HF directory or zoo name (TP-sharded as the policy).
 

@@ -46,7 +46,7 @@ from sluiceway.tasks.train.losses import policy_objective, sft_objective
 from sluiceway.tasks.train.lr_schedule import lr_schedule
 from sluiceway.tasks.train.micro_batches import plan_micro_batches, shard_for_rank
 from sluiceway.tasks.train.model_transform import model_transform
-from sluiceway.tasks.train.opd import build_teacher_model, micro_batch_opd
+from sluiceway.tasks.train.opd import DistillationTerm
 from sluiceway.tasks.train.optim import adamw, step_master_weights
 from sluiceway.tasks.train.parallel import is_tensor_parallel, reduce_step_metrics
 from sluiceway.tasks.train.zero import ShardedAdamW, state_bytes
@@ -134,10 +134,11 @@ class PolicyTrainer:
                 load_hf_weights(self.ref_model, hf_state, self.hf_config)
                 self.ref_model.eval().requires_grad_(False)
                 self._reference = (self.ref_model, contextlib.nullcontext)
-        # --use-opd --opd-type megatron: the frozen teacher scores each micro-batch (tasks/train/opd.py).
-        self.teacher_model = None
-        if algorithm.use_opd and algorithm.opd_type == "megatron":
-            self.teacher_model = build_teacher_model(algorithm.opd_teacher_load, self.hf_config, dtype, self.device)
+        # --use-opd: its advantage term, and with opd_type megatron the frozen teacher it owns (tasks/train/opd.py).
+        self.opd = None
+        if algorithm.use_opd:
+            teacher_logprobs = lambda model, mb: self._logprobs(model, mb, temperature=1.0)[0]  # noqa: E731
+            self.opd = DistillationTerm(algorithm, self.hf_config, dtype, self.device, teacher_logprobs)
         # --use-distributed-optimizer: this DP rank keeps a shard of the masters and moments (tasks/train/zero.py).
         self.zero = None
         if training.use_distributed_optimizer:
@@ -235,8 +236,8 @@ class PolicyTrainer:
             old = old_logps[i] if old_logps is not None else logp.detach()
             ref_logp = self._ref_logprobs(mb) if self._has_reference() else None
             advantages = mb.advantages
-            if self.algorithm.use_opd:  # A - opd_kl_coef x (student - teacher log-prob): tasks/train/opd.py
-                advantages, kl = micro_batch_opd(mb, old, self.algorithm.opd_kl_coef, self._teacher_logp)
+            if self.opd is not None:  # A - opd_kl_coef x (student - teacher log-prob): tasks/train/opd.py
+                advantages, kl = self.opd.shift(mb, old)
                 sums["opd/reverse_kl"] = sums.get("opd/reverse_kl", 0.0) + float(kl.sum()) / st.n_tokens
             loss, stats = policy_objective(
                 logp, old, advantages, mb.loss_mask, self.algorithm, entropy=entropy, rollout_logp=mb.rollout_logprobs,
@@ -252,11 +253,6 @@ class PolicyTrainer:
         self._blame = blame(bad, sum(mb.advantages.size(0) for mb in st.batches))
         # Each DP rank holds shares of global sums; TP ranks of one DP rank computed the same values.
         return reduce_step_metrics(sums, max_keys=("logprob_mismatch_max",))
-
-    @torch.no_grad()
-    def _teacher_logp(self, mb: MicroBatch) -> torch.Tensor | None:
-        """The megatron-mode teacher's log-probs of the micro-batch's tokens (its unscaled distribution), or None."""
-        return None if self.teacher_model is None else self._logprobs(self.teacher_model, mb, temperature=1.0)[0]
 
     def _has_reference(self) -> bool:
         return self._reference is not None

@@ -94,8 +94,8 @@ def test_megatron_teacher_equal_to_the_student_adds_nothing(tiny):
     # Teacher = student (and temperature 1): the reverse KL of every token is 0, so are the advantages: no update.
     assert abs(m["opd/reverse_kl"]) < 1e-5 and abs(m["loss"]) < 1e-6
     # A teacher with other weights: its log-probs differ, the KL is not 0 and the policy moves.
-    teacher_sd = {k: v * 3 for k, v in trainer.teacher_model.state_dict().items() if "embedding" in k}
-    trainer.teacher_model.load_state_dict(teacher_sd, strict=False)
+    teacher_sd = {k: v * 3 for k, v in trainer.opd.teacher_model.state_dict().items() if "embedding" in k}
+    trainer.opd.teacher_model.load_state_dict(teacher_sd, strict=False)
     m2 = trainer.train_rollout(samples, 1)
     assert abs(m2["opd/reverse_kl"]) > 1e-3 and m2["grad_norm"] > 0
 
