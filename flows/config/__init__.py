@@ -6,6 +6,7 @@
     reward.py      scoring                          durability.py  retries of transient failures
     algorithm.py   the RL objective                 eval.py / replay.py / logging.py
     run.py         RunConfig: the parts together, the rules between them and per command
+    variants.py    typed views of the variants the flat fields choose: the policy loss, LoRA, OPD
     loading.py     YAML + flags -> a checked RunConfig; validation errors as one line
 
 Each part checks its own fields (its `check`); RunConfig checks the rest. The config imports nothing of the
@@ -27,22 +28,30 @@ from sluiceway.flows.config.run import EvalRunConfig, ReplayRunConfig, RunConfig
 from sluiceway.flows.config.storage import StorageSettings
 from sluiceway.flows.config.sync import SyncConfig
 from sluiceway.flows.config.training import LORA_TARGET_NAMES, TrainingConfig
+from sluiceway.flows.config.variants import CispoLoss, GspoLoss, LoraPart, OpdPart, PolicyLoss, PpoClipLoss, SapoLoss
 
 __all__ = [
     "LORA_TARGET_NAMES",
     "AlgorithmConfig",
+    "CispoLoss",
     "DataConfig",
     "DurabilityConfig",
     "EvalConfig",
     "EvalRunConfig",
+    "GspoLoss",
     "Group",
     "LoggingConfig",
+    "LoraPart",
+    "OpdPart",
+    "PolicyLoss",
+    "PpoClipLoss",
     "ReplayConfig",
     "ReplayRunConfig",
     "ResourcesConfig",
     "RewardConfig",
     "RolloutConfig",
     "RunConfig",
+    "SapoLoss",
     "StorageSettings",
     "SyncConfig",
     "TrainingConfig",

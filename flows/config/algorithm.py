@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from sluiceway.flows.config.group import Group
+from sluiceway.flows.config.variants import CispoLoss, GspoLoss, OpdPart, PpoClipLoss, SapoLoss, opd_of, policy_loss_of
 from sluiceway.infra.plugins import check_function
 
 
@@ -158,6 +159,16 @@ class AlgorithmConfig(Group):
         if self.use_kl_loss and self.kl_loss_coef == 0.0:
             raise ValueError("use_kl_loss is set but kl_loss_coef is 0: set --kl-loss-coef")
         self._check_opd()
+
+    @property
+    def policy(self) -> PpoClipLoss | GspoLoss | CispoLoss | SapoLoss:
+        """The policy-loss variant (flows/config/variants.py) with only its own settings: what the loss reads."""
+        return policy_loss_of(self)
+
+    @property
+    def opd(self) -> OpdPart | None:
+        """On-policy distillation's part (flows/config/variants.py), None when off (no use_opd)."""
+        return opd_of(self)
 
     @property
     def token_level(self) -> bool:

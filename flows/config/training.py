@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from sluiceway.flows.config.group import Group
+from sluiceway.flows.config.variants import LoraPart, lora_of
 
 # LoRA target names (peft's, all-linear, Megatron-Bridge's fused layers); models/lora.py maps them to projections
 # (the config imports nothing of the project: tests/unit/models/test_lora.py checks both lists agree).
@@ -132,6 +133,11 @@ class TrainingConfig(Group):
         if precision in ("bf16", "fp32"):
             data["bf16"] = precision == "bf16"
         return data
+
+    @property
+    def lora(self) -> LoraPart | None:
+        """LoRA's part (flows/config/variants.py), None for full fine-tuning (lora_rank 0): what the trainer reads."""
+        return lora_of(self)
 
     def check(self, context: dict) -> None:
         self._check_recompute()

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sluiceway.flows.config.variants import CispoLoss, GspoLoss, PpoClipLoss, SapoLoss
+
 if TYPE_CHECKING:
     from sluiceway.flows.config import AlgorithmConfig
 
@@ -415,7 +417,6 @@ def policy_objective(
     masked sequences), and a custom function's tis_<name>.
     """
     a = algorithm
-    eps_high = a.eps_clip_high if a.eps_clip_high is not None else a.eps_clip
     # What the aggregation divides by (see `aggregate`): tokens, sequences, or Dr. GRPO's constant.
     denom = {"token_mean": n_tokens, "seq_mean_token_mean": n_seqs}.get(a.loss_agg_mode, max_response_len)
     agg_kw = {"num_seqs": n_seqs} if a.loss_agg_mode == "seq_mean_token_sum_norm" else {}
@@ -423,14 +424,15 @@ def policy_objective(
     def agg(per_token: torch.Tensor) -> torch.Tensor:
         return aggregate(per_token, mask, a.loss_agg_mode, denom, **agg_kw)
 
-    if a.advantage_estimator == "gspo":
-        pg, clipped = gspo_loss(logp, old_logp, advantages, mask, a.eps_clip, eps_high)
-    elif a.policy_loss == "cispo":
-        pg, clipped = cispo_loss(logp, old_logp, advantages, a.eps_clip, eps_high)
-    elif a.policy_loss == "sapo":
-        pg, clipped = sapo_loss(logp, old_logp, advantages, a.sapo_tau_pos, a.sapo_tau_neg)
-    else:
-        pg, clipped = ppo_clip_loss(logp, old_logp, advantages, a.eps_clip, eps_high, clip_c=a.eps_clip_c)
+    match a.policy:  # the variant of the policy-loss family, with its own settings (flows/config/variants.py)
+        case GspoLoss(eps_clip=low, eps_clip_high=high):
+            pg, clipped = gspo_loss(logp, old_logp, advantages, mask, low, high)
+        case CispoLoss(eps_clip=low, eps_clip_high=high):
+            pg, clipped = cispo_loss(logp, old_logp, advantages, low, high)
+        case SapoLoss(tau_pos=tau_pos, tau_neg=tau_neg):
+            pg, clipped = sapo_loss(logp, old_logp, advantages, tau_pos, tau_neg)
+        case PpoClipLoss(eps_clip=low, eps_clip_high=high, eps_clip_c=clip_c):
+            pg, clipped = ppo_clip_loss(logp, old_logp, advantages, low, high, clip_c=clip_c)
     tis_metrics: dict[str, torch.Tensor] = {}
     if a.use_tis:
         weights, bounded, tis_metrics = mismatch_weights(old_logp, rollout_logp, mask, a)
