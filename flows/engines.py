@@ -130,13 +130,13 @@ class TeacherEngine:
     the student engines' loop, so the scoring stage runs there as rollout does."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path):
-        a = cfg.algorithm
+        opd = cfg.algorithm.opd
         self.pool, self.loop, self.client = None, None, None
-        self.url = a.opd_teacher_url
+        self.url = opd.teacher_url
         if self.url is None:
             from sluiceway.models.zoo import resolve_checkpoint
 
-            model = str(resolve_checkpoint(a.opd_teacher_load))
+            model = str(resolve_checkpoint(opd.teacher_load))
             self.pool = start_scoring_engine(cfg, model, run_dir / "logs" / "teacher", engine_max_total_len(cfg))
 
     def wait_ready(self, loop: BackgroundLoop) -> TeacherEngine:

@@ -175,12 +175,12 @@ def preflight(cfg: RunConfig, command: str) -> None:
 def check_teacher(cfg: RunConfig, student: dict | None) -> None:
     """On-policy distillation's opd_teacher_load: a model directory (or zoo name) whose vocabulary is the student's
     (the teacher scores the student's token ids), checked from the config.json files before anything starts."""
-    a = cfg.algorithm
-    if not a.use_opd or a.opd_teacher_load is None:
+    opd = cfg.algorithm.opd
+    if opd is None or opd.teacher_load is None:
         return
     try:
-        check_model(a.opd_teacher_load)
-        teacher = model_config(a.opd_teacher_load)
+        check_model(opd.teacher_load)
+        teacher = model_config(opd.teacher_load)
     except UserError as e:
         raise UserError(str(e).replace("--hf-checkpoint", "--opd-teacher-load", 1)) from None
     if teacher is None or student is None:
@@ -188,7 +188,7 @@ def check_teacher(cfg: RunConfig, student: dict | None) -> None:
     tv, sv = teacher.get("vocab_size"), student.get("vocab_size")
     if tv != sv:
         raise UserError(
-            f"--opd-teacher-load {a.opd_teacher_load}: a vocabulary of {tv} tokens, the student's"
+            f"--opd-teacher-load {opd.teacher_load}: a vocabulary of {tv} tokens, the student's"
             f" ({cfg.training.hf_checkpoint}) has {sv}: the teacher must share the student's tokenizer"
         )
 
@@ -234,14 +234,14 @@ def opd_teacher_shape(cfg: RunConfig) -> ModelShape | None:
     """The teacher of --use-opd --opd-type megatron, from its config.json (None: no teacher in the trainer)."""
     from sluiceway.tasks.train.memory_model import ModelShape
 
-    a = cfg.algorithm
-    if not (a.use_opd and a.opd_type == "megatron" and a.opd_teacher_load):
+    opd = cfg.algorithm.opd
+    if opd is None or opd.engine or not opd.teacher_load:
         return None
     try:
-        hf, _ = read_hf_config(a.opd_teacher_load)
+        hf, _ = read_hf_config(opd.teacher_load)
     except UserError as e:
         raise UserError(str(e).replace("--hf-checkpoint", "--opd-teacher-load", 1)) from None
-    return ModelShape.from_hf(hf, f"--opd-teacher-load {a.opd_teacher_load}")
+    return ModelShape.from_hf(hf, f"--opd-teacher-load {opd.teacher_load}")
 
 
 def plan_for_config(

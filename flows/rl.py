@@ -267,8 +267,8 @@ class _Stages:
         self.checkpoint = checkpoint_task.with_options(**retry)
         self.upkeep = upkeep_task.with_options(**retry)
         self.filter = filter_task
-        a = cfg.algorithm
-        self.teacher = teacher_task.with_options(**retry) if a.use_opd and a.opd_type == "sglang" else None
+        opd = cfg.algorithm.opd
+        self.teacher = teacher_task.with_options(**retry) if opd is not None and opd.engine else None
         self.train = train_task  # a failed optimizer step is not retried: it may have half-applied
         mode = cfg.rollout.mode
         self.ahead = {"sync": 0, "one-step-off": 1}.get(mode, cfg.rollout.max_staleness or 2)

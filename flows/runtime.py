@@ -120,10 +120,10 @@ class Runtime:
         early = take_early_engines(cfg.run_id)
         if early is None and embedded:
             early = RolloutEngines(cfg, prep.hf_dir, run_dir, wait=False)
-        a = cfg.algorithm
+        opd = cfg.algorithm.opd
         teacher = None
         try:
-            if a.use_opd and a.opd_type == "sglang":  # its engine (if the run starts one) loads beside the others
+            if opd is not None and opd.engine:  # its engine (if the run starts one) loads beside the others
                 teacher = TeacherEngine(cfg, run_dir)
             trainer = build_run_trainer(cfg, prep.hf_dir, prep.tokenizer, run_dir, total_iters)
         except BaseException:

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from sluiceway.flows.config import OpdPart
+
 
 @torch.no_grad()
 def opd_advantages(
@@ -70,11 +72,11 @@ class DistillationTerm:
     `logprobs(model, mb)` is the trainer's own log-prob function, so the teacher scores a micro-batch in the
     layout the student's log-probs have."""
 
-    def __init__(self, algorithm, student_config, dtype: torch.dtype, device: torch.device, logprobs):
-        self.kl_coef = algorithm.opd_kl_coef
+    def __init__(self, opd: OpdPart, student_config, dtype: torch.dtype, device: torch.device, logprobs):
+        self.kl_coef = opd.kl_coef
         self.teacher_model = None
-        if algorithm.opd_type == "megatron":
-            self.teacher_model = build_teacher_model(algorithm.opd_teacher_load, student_config, dtype, device)
+        if not opd.engine:  # megatron: the teacher is a model of the trainer's
+            self.teacher_model = build_teacher_model(opd.teacher_load, student_config, dtype, device)
         self._logprobs = logprobs
 
     @torch.no_grad()

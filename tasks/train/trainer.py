@@ -136,9 +136,9 @@ class PolicyTrainer:
                 self._reference = (self.ref_model, contextlib.nullcontext)
         # --use-opd: its advantage term, and with opd_type megatron the frozen teacher it owns (tasks/train/opd.py).
         self.opd = None
-        if algorithm.use_opd:
+        if algorithm.opd is not None:
             teacher_logprobs = lambda model, mb: self._logprobs(model, mb, temperature=1.0)[0]  # noqa: E731
-            self.opd = DistillationTerm(algorithm, self.hf_config, dtype, self.device, teacher_logprobs)
+            self.opd = DistillationTerm(algorithm.opd, self.hf_config, dtype, self.device, teacher_logprobs)
         # --use-distributed-optimizer: this DP rank keeps a shard of the masters and moments (tasks/train/zero.py).
         self.zero = None
         if training.use_distributed_optimizer:
