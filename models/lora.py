@@ -103,10 +103,10 @@ class LoraSpec:
         }
 
 
-def lora_spec(training: Any) -> LoraSpec:
-    """The LoraSpec of a TrainingConfig (--lora-rank, --lora-alpha, --lora-dropout, --target-modules)."""
-    return LoraSpec(training.lora_rank, float(training.lora_alpha), float(training.lora_dropout),
-                    tuple(resolve_targets(training.target_modules)))  # fmt: skip
+def lora_spec(lora: Any) -> LoraSpec:
+    """The LoraSpec of the config's LoRA part (TrainingConfig.lora: --lora-rank, --lora-alpha, --lora-dropout,
+    --target-modules)."""
+    return LoraSpec(lora.rank, float(lora.alpha), float(lora.dropout), tuple(resolve_targets(lora.target_modules)))
 
 
 def _dims(hf_config: Any) -> dict[str, tuple[int, int]]:

@@ -26,7 +26,7 @@ def sync_due(cfg: RunConfig, step: int) -> bool:
 
 def adapter_sync(cfg: RunConfig) -> bool:
     """Whether each version is a LoRA adapter (--lora-rank with --lora-sync adapter), not full weights."""
-    return bool(cfg.training.lora_rank) and cfg.sync.lora_sync == "adapter"
+    return cfg.training.lora is not None and cfg.sync.lora_sync == "adapter"
 
 
 def weight_publisher(cfg: RunConfig) -> WeightPublisher:

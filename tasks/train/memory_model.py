@@ -162,7 +162,8 @@ class Layout:
         holds (--opd-type megatron), from its own config.json; `engine_total_len`: tokens per request the
         engines are sized for."""
         res, t, r = cfg.resources, cfg.training, cfg.rollout
-        if t.lora_rank:  # models/ imports torch: `sluiceway plan` without LoRA does not pay for it
+        lora = t.lora
+        if lora is not None:  # models/ imports torch: `sluiceway plan` without LoRA does not pay for it
             from sluiceway.models.lora import resolve_targets
         a = cfg.algorithm
         bf16 = bool(t.bf16) if bf16 is None else bf16
@@ -181,11 +182,11 @@ class Layout:
             masked=masked,
             micro_batches=micro_batches_per_step(cfg, command, seq, rows),
             distributed_optimizer=t.use_distributed_optimizer,
-            lora_rank=t.lora_rank,
-            lora_targets=tuple(resolve_targets(t.target_modules)) if t.lora_rank else (),
+            lora_rank=lora.rank if lora is not None else 0,
+            lora_targets=tuple(resolve_targets(lora.target_modules)) if lora is not None else (),
             recompute=Recompute(t.recompute_granularity, t.recompute_method, t.recompute_num_layers),
             # With LoRA the reference is the base model with the adapters off: no second copy.
-            reference=not t.lora_rank
+            reference=lora is None
             and (a.use_kl_loss or (a.advantage_estimator in ("ppo", "reinforce_plus_plus") and a.kl_coef > 0)),
             teacher=teacher if command in ("run", "replay") else None,
             critic=a.advantage_estimator == "ppo" and a.loss_type != "sft_loss",

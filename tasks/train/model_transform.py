@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from sluiceway.flows.config import LoraPart
 from sluiceway.models.hf_megatron import hf_to_megatron, megatron_state_dict, megatron_to_hf, merge_tp_shards
 from sluiceway.models.lora import LoraAdapters, lora_spec, merge_into_hf, merge_tp_adapters
 from sluiceway.tasks.sync.disk import write_adapter_version
@@ -97,10 +98,10 @@ class LoraTransform:
     """--lora-rank: the base is frozen and only the adapters train (models/lora.py). The adapters are fp32 whatever
     the model computes in, so they are their own masters; the reference is the base with the adapters switched off."""
 
-    def __init__(self, model: torch.nn.Module, hf_config: Any, training: Any, device: torch.device):
+    def __init__(self, model: torch.nn.Module, hf_config: Any, lora: LoraPart, seed: int, device: torch.device):
         self.model, self.hf_config = model, hf_config
         model.requires_grad_(False)
-        self.adapters = LoraAdapters(hf_config, lora_spec(training), training.seed, device)
+        self.adapters = LoraAdapters(hf_config, lora_spec(lora), seed, device)
         self.adapters.attach(model)
         self.trainable = self.adapters
         self.separate_masters = False
@@ -135,6 +136,6 @@ class LoraTransform:
 def model_transform(model: torch.nn.Module, hf_config: Any, training: Any, tp_rank: int, tp_size: int,
                     device: torch.device) -> ModelTransform:  # fmt: skip
     """The transform a TrainingConfig asks for, applied to `model` (LoRA attaches its adapters and freezes it)."""
-    if training.lora_rank:
-        return LoraTransform(model, hf_config, training, device)
+    if training.lora is not None:
+        return LoraTransform(model, hf_config, training.lora, training.seed, device)
     return FullWeights(model, hf_config, training.bf16, tp_rank, tp_size, device)
