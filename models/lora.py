@@ -109,12 +109,16 @@ def lora_spec(lora: Any) -> LoraSpec:
     return LoraSpec(lora.rank, float(lora.alpha), float(lora.dropout), tuple(resolve_targets(lora.target_modules)))
 
 
+def _field(hf_config: Any, key: str) -> Any:
+    """A field of an HF config, given as the config object or as its config.json dict (None if absent)."""
+    return hf_config.get(key) if isinstance(hf_config, Mapping) else getattr(hf_config, key, None)
+
+
 def _dims(hf_config: Any) -> dict[str, tuple[int, int]]:
-    """(in, out) of every HF projection."""
-    h = hf_config.hidden_size
-    nh, ng = hf_config.num_attention_heads, getattr(hf_config, "num_key_value_heads", hf_config.num_attention_heads)
-    hd = getattr(hf_config, "head_dim", None) or h // nh
-    f = hf_config.intermediate_size
+    """(in, out) of every HF projection (`hf_config`: the config object or its config.json dict)."""
+    h, nh, f = (int(_field(hf_config, k)) for k in ("hidden_size", "num_attention_heads", "intermediate_size"))
+    ng = int(_field(hf_config, "num_key_value_heads") or nh)
+    hd = int(_field(hf_config, "head_dim") or h // nh)
     return {
         "q_proj": (h, nh * hd),
         "k_proj": (h, ng * hd),
@@ -124,6 +128,17 @@ def _dims(hf_config: Any) -> dict[str, tuple[int, int]]:
         "up_proj": (h, f),
         "down_proj": (f, h),
     }
+
+
+def adapter_parameters(hf_config: Any, rank: int, targets: Sequence[str], tp_size: int = 1) -> int:
+    """Adapter parameters one TP rank of `LoraAdapters` holds, counted without building them (the memory plan,
+    tasks/train/memory_plan.py, asks): r x (in + out) per adapted projection and layer, the sharded factor (B of a
+    column-parallel, A of a row-parallel projection) divided over TP as `LoraAdapters._local` slices it."""
+    dims, per_layer = _dims(hf_config), 0
+    for t in targets:
+        fan_in, fan_out = dims[t]
+        per_layer += rank * (fan_in // tp_size + fan_out if t in _ROW_PARALLEL else fan_in + fan_out // tp_size)
+    return int(_field(hf_config, "num_hidden_layers")) * per_layer
 
 
 def peft_key(layer: int, target: str, which: str) -> str:

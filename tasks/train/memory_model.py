@@ -86,19 +86,6 @@ class ModelShape:
         head = (0 if self.tied else embed) if lm_head else h
         return embed + head + self.layers * layer + h
 
-    def lora_parameters(self, rank: int, targets: tuple[str, ...], tp: int = 1) -> int:
-        """LoRA adapter parameters held by one TP rank: r x (in + out) per adapted projection and layer, the
-        sharded factor (B of column-parallel, A of row-parallel projections) divided over TP (models/lora.py)."""
-        h, q, kv, f = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.ffn
-        dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}  # fmt: skip
-        per_layer = 0
-        for t in targets:
-            fan_in, fan_out = dims[t]
-            row_parallel = t in ("o_proj", "down_proj")
-            per_layer += rank * (fan_in // tp + fan_out if row_parallel else fan_in + fan_out // tp)
-        return self.layers * per_layer
-
     def kv_bytes_per_token(self, width: int) -> int:
         """KV cache bytes per token of a request (all layers, keys and values)."""
         return 2 * self.layers * self.kv_heads * self.head_dim * width

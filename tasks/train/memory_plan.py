@@ -3,7 +3,10 @@
 `sluiceway plan [CONFIG] [flags]` prints it; `sluiceway run` refuses a layout it says cannot fit, in one line,
 before anything starts (both through flows/preflight.py, which reads the config.json files). Formulas over the
 model's HF config.json only (no torch, no weights; the model's shape, the layout and the activations are in
-memory_model.py), for the trainer as it is built here (models/megatron_gpt.py, tasks/train/trainer.py):
+memory_model.py), for the trainer as it is built here (models/megatron_gpt.py, tasks/train/trainer.py). What a
+trainer component holds is its own answer, asked without building it: what trains and whether it has fp32 masters
+(model_transform.planned_training, LoRA's adapter count from models/lora.py), the optimizer's state per rank
+(optim.state_bytes_per_rank), the OPD teacher (opd.DistillationTerm.trainer_bytes):
 
 - weights: the model's parameters of this rank (tensor-parallel shards: embeddings, attention and MLP split over
   TP; norms replicated) at the compute width (bf16 2 bytes, fp32 4);
@@ -55,8 +58,10 @@ from sluiceway.tasks.train.memory_model import (
     ModelShape,
     Recompute,
     activation_bytes,
-    ceil_div,
 )
+from sluiceway.tasks.train.model_transform import planned_training
+from sluiceway.tasks.train.opd import DistillationTerm
+from sluiceway.tasks.train.optim import MASTER_BYTES, MOMENT_BYTES, state_bytes_per_rank
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The plan
@@ -216,22 +221,27 @@ def plan(
     p = m.parameters(lay.tp)
     shard = lay.dp if lay.distributed_optimizer and lay.dp > 1 else 1
     over = f" / DP {shard}" if shard > 1 else ""
+    # What trains (every weight, or LoRA's adapters on a frozen base) is the model transform's answer, the state
+    # its optimizer keeps the optimizer's (tasks/train/model_transform.py, optim.py).
+    trained = planned_training(hf, lay.lora_rank, lay.lora_targets, p, lay.bf16, lay.tp)
+    t, tw = trained.parameters, trained.width
+    masters, moments = state_bytes_per_rank(t, trained.separate_masters, shard)
     static = [Item(f"weights ({'bf16' if lay.bf16 else 'fp32'})", p * w, f"{p:,} x {w} B")]
     if lay.lora_rank:  # the base is frozen: the adapters are the only trained (and optimizer) state, all fp32
-        p = m.lora_parameters(lay.lora_rank, lay.lora_targets, lay.tp)
-        static.append(Item("LoRA adapters (fp32)", p * 4, f"{p:,} x 4 B, rank {lay.lora_rank}"))
-    elif lay.bf16:
-        static.append(Item("fp32 master weights", ceil_div(p, shard) * 4, f"{p:,} x 4 B{over}"))
-    static.append(Item("Adam moments (fp32 m, v)", ceil_div(p, shard) * 8, f"{p:,} x 8 B{over}"))
-    if lay.reference:
-        static.append(Item("reference model (weights)", p * w, "use_kl_loss / kl_coef"))
+        static.append(Item("LoRA adapters (fp32)", t * tw, f"{t:,} x {tw} B, rank {lay.lora_rank}"))
+    if trained.separate_masters:
+        static.append(Item("fp32 master weights", masters, f"{t:,} x {MASTER_BYTES} B{over}"))
+    static.append(Item("Adam moments (fp32 m, v)", moments, f"{t:,} x {MOMENT_BYTES} B{over}"))
+    if lay.reference and trained.reference_bytes:
+        static.append(Item("reference model (weights)", trained.reference_bytes, "use_kl_loss / kl_coef"))
     if lay.teacher is not None:
         lay.teacher.check_tp(lay.tp)
         pt = lay.teacher.parameters(lay.tp)
-        static.append(Item("OPD teacher (weights)", pt * w, f"{pt:,} x {w} B, --opd-type megatron"))
-    if lay.critic:
+        static.append(Item("OPD teacher (weights)", DistillationTerm.trainer_bytes(pt, w),
+                           f"{pt:,} x {w} B, --opd-type megatron"))  # fmt: skip
+    if lay.critic:  # the value model trains every weight, with the policy's optimizer
         pc = m.parameters(lay.tp, lm_head=False)
-        crit = pc * w + (ceil_div(pc, shard) * 4 if lay.bf16 else 0) + ceil_div(pc, shard) * 8 + pc * 4
+        crit = pc * w + sum(state_bytes_per_rank(pc, lay.bf16, shard)) + pc * 4
         static.append(Item("critic (weights, grads, optimizer)", crit, "ppo's value model"))
     if lay.device == "cuda":  # the process's own resident memory is the host's, not the GPU's
         static.append(Item("CUDA context", CUDA_CONTEXT, "typical"))
@@ -239,9 +249,9 @@ def plan(
         static.append(Item("runtime (torch, megatron)", PROCESS_RUNTIME, "resident, per process"))
     act = activation_bytes(m, lay)
     if lay.lora_rank:
-        grads = Item("gradients (LoRA adapters, fp32)", p * 4, "the frozen base has none")
+        grads = Item("gradients (LoRA adapters, fp32)", t * tw, "the frozen base has none")
     elif lay.micro_batches > 1:
-        grads = Item(f"gradients ({'bf16' if lay.bf16 else 'fp32'})", p * w,
+        grads = Item(f"gradients ({'bf16' if lay.bf16 else 'fp32'})", t * tw,
                      f"accumulated over {lay.micro_batches} micro-batches")  # fmt: skip
     else:  # one micro-batch a step: gradients appear as backward frees the activations, the output layer's first
         grads = Item(
@@ -250,7 +260,7 @@ def plan(
             "one micro-batch a step: the output layer's first, the rest as activations are freed",
         )
     backward = [grads, Item("activations", act.peak, act.detail)]
-    step = [Item("gradients (fp32, at the step)", p * 4, "master grads" if lay.bf16 and not lay.lora_rank else "")]
+    step = [Item("gradients (fp32, at the step)", t * 4, "master grads" if trained.separate_masters else "")]
     if lay.recompute.granularity is None:
         alt_rc, alt_label = FULL_RECOMPUTE, "with --recompute-granularity full"
     else:

@@ -27,12 +27,14 @@ temperature, the distribution the student samples from); the teacher's are its u
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from sluiceway.flows.config import OpdPart
 
+if TYPE_CHECKING:  # torch is imported where the term runs: the memory plan asks `trainer_bytes` before any torch
+    import torch
 
-@torch.no_grad()
+
 def opd_advantages(
     advantages: torch.Tensor,
     student_logp: torch.Tensor,
@@ -45,9 +47,12 @@ def opd_advantages(
     All tensors [n, t] in one layout; `mask` 1 on trained tokens. Outside the mask the advantages are returned
     unchanged and the KL is 0. No gradient flows (the log-probs are detached).
     """
-    m = mask.to(torch.float32)
-    kl = (student_logp.detach().float() - teacher_logp.detach().float()) * m
-    return advantages - kl_coef * kl.to(advantages.dtype), kl
+    import torch
+
+    with torch.no_grad():
+        m = mask.to(torch.float32)
+        kl = (student_logp.detach().float() - teacher_logp.detach().float()) * m
+        return advantages - kl_coef * kl.to(advantages.dtype), kl
 
 
 def micro_batch_opd(mb, student_logp: torch.Tensor, kl_coef: float, teacher_logp_fn=None):
@@ -79,10 +84,21 @@ class DistillationTerm:
             self.teacher_model = build_teacher_model(opd.teacher_load, student_config, dtype, device)
         self._logprobs = logprobs
 
-    @torch.no_grad()
+    @staticmethod
+    def trainer_bytes(teacher_parameters: int | None, width: int) -> int:
+        """Bytes the term holds on each trainer rank, counted without building it (the memory plan asks): the
+        megatron teacher's weights at the trainer's compute width, `teacher_parameters` being its share on one TP
+        rank (frozen: no gradients, no optimizer state); an engine's teacher (None) holds nothing here."""
+        return 0 if teacher_parameters is None else teacher_parameters * width
+
     def _teacher_logp(self, mb) -> torch.Tensor | None:
         """The megatron teacher's log-probs of the micro-batch's tokens (its unscaled distribution), or None."""
-        return None if self.teacher_model is None else self._logprobs(self.teacher_model, mb)
+        import torch
+
+        if self.teacher_model is None:
+            return None
+        with torch.no_grad():
+            return self._logprobs(self.teacher_model, mb)
 
     def shift(self, mb, student_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the micro-batch's advantages with the term applied, the per-token reverse KL): `micro_batch_opd`."""

@@ -2,21 +2,45 @@
 
 With bf16 compute the model's gradients move to the fp32 masters, AdamW updates the masters, and the model takes
 their values back (megatron's mixed-precision scheme); in fp32 the masters are the model's own parameters.
+
+`state_bytes_per_rank` says what this optimizer holds for a number of trained parameters without building anything
+(the memory plan, tasks/train/memory_plan.py, asks it), so this module imports torch only where a step runs: the
+plan is read before a run imports torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-
-import torch
+from typing import TYPE_CHECKING
 
 from sluiceway.flows.config import TrainingConfig
-from sluiceway.tasks.train.parallel import grad_norm
+
+if TYPE_CHECKING:
+    import torch
+
+MASTER_BYTES = 4  # an fp32 master weight
+MOMENT_BYTES = 8  # AdamW's exp_avg and exp_avg_sq, both fp32
+
+
+def dp_shard(numel: int, dp: int) -> int:
+    """Elements of `numel` that one of `dp` ranks holds when they are cut into equal contiguous shards (the last
+    padded): the distributed optimizer's layout (tasks/train/zero.py)."""
+    return -(-numel // dp)
+
+
+def state_bytes_per_rank(trained: int, separate_masters: bool, dp_shards: int = 1) -> tuple[int, int]:
+    """(fp32 master bytes, AdamW moment bytes) one rank holds for `trained` parameters (its TP share). The masters
+    cost nothing when the trained weights are fp32 themselves (`separate_masters` False); `dp_shards` > 1: the
+    distributed optimizer keeps one DP shard of both (--use-distributed-optimizer)."""
+    held = dp_shard(trained, dp_shards)
+    return (held * MASTER_BYTES if separate_masters else 0), held * MOMENT_BYTES
 
 
 def adamw(master: list[torch.Tensor], training: TrainingConfig, lr: float | None = None) -> torch.optim.AdamW:
     """torch's AdamW over the fp32 masters, fused: one kernel for all parameters (on CPU 8x faster than the
     default per-tensor loop: 76 vs 626 ms per step for SmolLM2-135M on this 2-core machine)."""
+    import torch
+
     return torch.optim.AdamW(
         master,
         lr=training.lr if lr is None else lr,
@@ -39,6 +63,10 @@ def step_master_weights(
     """Clip by the full model's gradient norm (TP-aware), step AdamW and the LR schedule; returns the norm.
 
     `check(norm)` runs before anything is stepped; if it raises, the gradients are dropped and nothing changes."""
+    import torch
+
+    from sluiceway.tasks.train.parallel import grad_norm
+
     model_params = [p for _, p in model.named_parameters()]
     if mixed_precision:
         for p, m in zip(model_params, master):

@@ -8,7 +8,7 @@ without it (every rank holds every gradient), each rank clips and steps its shar
 all-gathered straight into the flat buffer, so every rank's model holds the new weights. In fp32 the model's
 weights are the masters, so a rank's masters are a view of its shard of the buffer and cost nothing more; with
 bf16 they are a separate fp32 shard. Optimizer memory per rank: 12/DP bytes a parameter with bf16 compute
-(12 without the flag), 8/DP in fp32 (8 without).
+(12 without the flag), 8/DP in fp32 (8 without): tasks/train/optim.state_bytes_per_rank, which the memory plan asks.
 
 AdamW is elementwise, so stepping a shard gives the bits the unsharded optimizer gives those elements (the same
 gradients, the same clip coefficient, the same step count). One difference: a parameter with no gradient steps with
@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from sluiceway.flows.config import TrainingConfig
 from sluiceway.models.megatron_gpt import parallel_state
-from sluiceway.tasks.train.optim import adamw
+from sluiceway.tasks.train.optim import adamw, dp_shard
 from sluiceway.tasks.train.parallel import grad_norm
 
 # all_gather_into_tensor's new name (the old one warns); both gather in place on gloo and NCCL.
@@ -69,7 +69,7 @@ class ShardedAdamW:
         self.numels = [p.numel() for p in self.params]
         self.offsets = [0, *itertools.accumulate(self.numels)][:-1]
         self.total = sum(self.numels)
-        self.shard = -(-self.total // self.dp)  # the last shard is padded with zeros
+        self.shard = dp_shard(self.total, self.dp)  # the last shard is padded with zeros
         self.lo = self.rank * self.shard
         first = self.params[0]
         self.buffer = torch.zeros(self.shard * self.dp, dtype=first.dtype, device=first.device)

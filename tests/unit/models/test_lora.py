@@ -134,14 +134,14 @@ def test_target_names():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_memory_plan_counts_the_adapters(kind):
-    """tasks/train/memory_model.py's adapter count (what `sluiceway plan` and the preflight use) is the trainer's."""
-    from sluiceway.tasks.train.memory_model import ModelShape
+    """The adapter count the memory plan asks for (`sluiceway plan` and the preflight), from the config.json dict
+    without building anything, is what the trainer's LoraAdapters holds."""
+    from sluiceway.models.lora import adapter_parameters
 
     hf = hf_model(kind)
     targets = ("q_proj", "v_proj", "down_proj")
     lora = LoraAdapters(hf.config, LoraSpec(4, 8.0, 0.0, targets), seed=0)
-    shape = ModelShape.from_hf(hf.config.to_dict())
-    assert shape.lora_parameters(4, targets) == sum(p.numel() for p in lora.parameters())
+    assert adapter_parameters(hf.config.to_dict(), 4, targets) == sum(p.numel() for p in lora.parameters())
 
 
 def test_config_knows_the_same_target_names():
