@@ -85,6 +85,9 @@ def load_checkpoint(trainer: PolicyTrainer, path: str | Path) -> int:
             f"{path}: checkpoint does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
     restore_optimizer(trainer, [state["model"][n] for n in trainer.param_names], state["optimizer"])
+    if trainer.rounding is not None:  # the bf16 model as the run had it: its masters rounded the run's way
+        params = [p for _, p in trainer.trainable.named_parameters()]
+        trainer.rounding.copy(params, [state["model"][n] for n in trainer.param_names])
     trainer.scheduler.load_state_dict(state["scheduler"])
     if trainer.critic is not None:
         if state.get("critic") is None:

@@ -59,10 +59,12 @@ def step_master_weights(
     clip_grad: float,
     mixed_precision: bool,
     check: Callable[[torch.Tensor], None] | None = None,
+    rounding=None,
 ) -> torch.Tensor:
     """Clip by the full model's gradient norm (TP-aware), step AdamW and the LR schedule; returns the norm.
 
-    `check(norm)` runs before anything is stepped; if it raises, the gradients are dropped and nothing changes."""
+    `check(norm)` runs before anything is stepped; if it raises, the gradients are dropped and nothing changes.
+    `rounding` (tasks/train/weight_rounding.MasterRounding) copies the masters into a bf16 model; None: nearest."""
     import torch
 
     from sluiceway.tasks.train.parallel import grad_norm
@@ -88,6 +90,9 @@ def step_master_weights(
     optimizer.zero_grad(set_to_none=True)
     if mixed_precision:
         with torch.no_grad():
-            for p, m in zip(model_params, master):
-                p.copy_(m)
+            if rounding is not None:
+                rounding.copy(model_params, master)
+            else:
+                for p, m in zip(model_params, master):
+                    p.copy_(m)
     return total_norm

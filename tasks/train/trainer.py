@@ -49,6 +49,7 @@ from sluiceway.tasks.train.model_transform import model_transform
 from sluiceway.tasks.train.opd import DistillationTerm
 from sluiceway.tasks.train.optim import adamw, step_master_weights
 from sluiceway.tasks.train.parallel import is_tensor_parallel, reduce_step_metrics
+from sluiceway.tasks.train.weight_rounding import MasterRounding
 from sluiceway.tasks.train.zero import ShardedAdamW, state_bytes
 
 log = logging.getLogger("sluiceway")
@@ -119,8 +120,13 @@ class PolicyTrainer:
         self.mixed_precision = self.transform.separate_masters
         self.param_names = [n for n, _ in self.trainable.named_parameters()]
         params = [p for _, p in self.trainable.named_parameters()]
+        self.rounding = None  # how the bf16 model takes its masters' values (tasks/train/weight_rounding.py)
         if self.mixed_precision:
             self.master = self.transform.fp32_masters(hf_state, self.param_names)
+            numels = [p.numel() for p in params]
+            self.rounding = MasterRounding(training.bf16_weight_rounding, numels, training.seed, self.tp_rank,
+                                           self.device)  # fmt: skip
+            self.rounding.copy(params, self.master)
         else:
             self.master = params  # fp32: the trained parameters are the master weights
         # The frozen reference: (the model that computes it, the context it computes in), or None without one.
@@ -143,6 +149,7 @@ class PolicyTrainer:
         self.zero = None
         if training.use_distributed_optimizer:
             self.zero = ShardedAdamW(self.trainable, self.master if self.mixed_precision else None, training)
+            self.zero.rounding = self.rounding
             self.master, self.optimizer = None, self.zero.optimizer
         else:
             self.optimizer = adamw(self.master, training)
@@ -313,6 +320,7 @@ class PolicyTrainer:
             t.clip_grad,
             self.mixed_precision,
             check,
+            self.rounding,
         )
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
@@ -328,6 +336,11 @@ class PolicyTrainer:
         """The whole model in HF names, adapters merged in (TP shards gathered; a collective: every rank must call
         it)."""
         return self.transform.hf_state_dict(self.master_state_dict, include_tied_lm_head)
+
+    def _model_weights_fp32(self) -> dict[str, torch.Tensor]:
+        """This rank's trained state as the model holds it (bf16 values, exactly upcast to fp32 for the gathers)."""
+        return {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+                for k, v in self.transform.trained_state().items()}  # fmt: skip
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole adapter in peft's keys (TP shards gathered; a collective)."""
@@ -360,7 +373,12 @@ class PolicyTrainer:
             if torch.distributed.get_rank() != 0:
                 return None
             return self.transform.write_adapter(adapter, Path(hf_dir), Path(root), self.weight_version)
-        state = self.hf_state_dict(include_tied_lm_head=False)
+        if dtype == "bfloat16" and self.mixed_precision:
+            # The engines get the bf16 weights this trainer computes with, bit for bit, however the masters were
+            # rounded into them (tasks/train/weight_rounding.py): rounding the masters again could differ.
+            state = self.transform.hf_state_dict(self._model_weights_fp32, include_tied_lm_head=False)
+        else:
+            state = self.hf_state_dict(include_tied_lm_head=False)
         if torch.distributed.get_rank() != 0:
             return None
         return write_weight_version(state, Path(hf_dir), Path(root), self.weight_version, dtype=dtype)

@@ -86,6 +86,7 @@ class ShardedAdamW:
         else:
             self.master = self.slice(masters)
         self.optimizer = adamw([self.master], training, lr)
+        self.rounding = None  # tasks/train/weight_rounding.MasterRounding, set by the trainer with bf16 compute
 
     def slice(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """This rank's shard of per-parameter tensors (full shapes, named_parameters order), flat fp32."""
@@ -140,8 +141,11 @@ class ShardedAdamW:
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             mine = self.buffer[self.lo : self.lo + self.shard]
-            if self.separate_masters:
-                mine.copy_(self.master)  # rounded to the model's dtype, as p.copy_(master) rounds without the flag
+            if self.separate_masters:  # rounded to the model's dtype, as without the flag (tasks/train/optim.py)
+                if self.rounding is not None:
+                    self.rounding.copy_flat(mine, self.master, self.lo)
+                else:
+                    mine.copy_(self.master)
             if self.dp > 1:
                 _all_gather_flat(self.buffer, mine, group=self.group)
         return total_norm
