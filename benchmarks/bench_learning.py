@@ -8,6 +8,7 @@ training and every --eval-every steps. Each variant runs for every seed, one aft
     fp32          the trainer, the engines and the published weights in fp32
     bf16          bf16 compute over fp32 master weights (engine and trainer give a token the same log-prob)
     bf16-icepop   bf16 with IcePop's mismatch masking (--use-tis --tis-mode icepop)
+    bf16-stochastic  bf16 whose weights take the masters' values by stochastic rounding (--bf16-weight-rounding)
 
 Reported per variant and seed: held-out reward and pass@1 at each evaluation, wall seconds per training step,
 and train/logprob_mismatch (the mean |engine - trainer| log-prob of the trained tokens) per step. The whole run
@@ -38,6 +39,7 @@ VARIANTS = {
     "fp32": ["--precision", "fp32"],
     "bf16": ["--precision", "bf16"],
     "bf16-icepop": ["--precision", "bf16", "--use-tis", "--tis-mode", "icepop"],
+    "bf16-stochastic": ["--precision", "bf16", "--bf16-weight-rounding", "stochastic"],
 }
 HELD_OUT_SEED = 424242
 TASK = "env:arithmetic:2"

@@ -123,6 +123,10 @@ class PolicyTrainer:
         self.rounding = None  # how the bf16 model takes its masters' values (tasks/train/weight_rounding.py)
         if self.mixed_precision:
             self.master = self.transform.fp32_masters(hf_state, self.param_names)
+            if training.bf16_weight_rounding == "stochastic":
+                # The masters start on the bf16 grid, at the weights the engines load from the checkpoint (rounded
+                # to nearest): the first rollout's engine and this trainer then compute with the same weights.
+                self.master = [m.to(torch.bfloat16).float() for m in self.master]
             numels = [p.numel() for p in params]
             self.rounding = MasterRounding(training.bf16_weight_rounding, numels, training.seed, self.tp_rank,
                                            self.device)  # fmt: skip

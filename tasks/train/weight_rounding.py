@@ -8,7 +8,9 @@ change until its master has drifted half a spacing, ~50 steps at that lr: the bf
 `stochastic` rounds each weight up with probability equal to its position between its two bf16 neighbours, through
 a random threshold fixed per weight at start (seeded; the same on every data-parallel rank): the bf16 copy follows
 its master in expectation, with no dead zone at the grid points, and it is still a function of the masters alone,
-so it does not jitter from step to step and a run resumed from its masters gets the same bf16 model. The engines
+so it does not jitter from step to step and a run resumed from its masters gets the same bf16 model. The masters
+start on the bf16 grid (the checkpoint rounded to nearest, what the engines load), where stochastic rounding is
+exact, so the first rollout and the trainer agree too. The engines
 are sent the model's own bf16 weights (PolicyTrainer.write_weights), so they sample with exactly what the trainer
 computes with. `nearest` is torch's round-to-nearest-even (megatron's scheme).
 """

@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_trainer import samples
+from trainer_helpers import make_trainer
 
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
 from sluiceway.tasks.train.trainer import PolicyTrainer
@@ -56,6 +57,8 @@ def stochastic_trainer(path, tok):
 def test_the_trainer_computes_with_publishes_and_restores_the_stochastic_copy(tiny, tmp_path):
     path, tok = tiny
     trainer = stochastic_trainer(path, tok)
+    nearest = make_trainer(path, tok, bf16=True)  # what the engines load from the checkpoint: rounded to nearest
+    assert all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), nearest.model.parameters()))
     trainer.train_rollout(samples(tok, [1.0, -1.0, 1.0, -1.0]), step=0)
     params = [p for _, p in trainer.model.named_parameters()]
     expected = [torch.empty_like(p) for p in params]
