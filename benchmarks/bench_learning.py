@@ -130,13 +130,14 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--work", type=Path, default=None, help="run directories (default: a temporary directory)")
     ap.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md")
+    ap.add_argument("--table-only", action="store_true", help="run nothing: the table of --work's results.jsonl")
     a = ap.parse_args()
     work = a.work or Path(tempfile.mkdtemp(prefix="bench-learning-"))
     work.mkdir(parents=True, exist_ok=True)
     # Every finished run is appended to WORK/results.jsonl and the table is made of all of them: a benchmark
     # stopped between runs goes on with the runs still missing (--seeds / --variants) in the same --work.
     saved = work / "results.jsonl"
-    for seed in a.seeds:
+    for seed in [] if a.table_only else a.seeds:
         for variant in a.variants:
             r = run(variant, seed, a.steps, a.eval_every, work, a.held_out)
             line = json.dumps({k: v for k, v in r.items() if k != "metric_names"})

@@ -78,11 +78,12 @@ class TrainingConfig(Group):
         "a short measured probe, cached per machine: infra/precision.py), else fp32.",
     )
     bf16_weight_rounding: Literal["nearest", "stochastic"] = Field(
-        "nearest",
+        "stochastic",
         description="With bf16 compute, how the model's bf16 weights take their fp32 masters' values after each step: "
-        "nearest (megatron's); stochastic: up with probability equal to the weight's position between its two bf16 "
-        "neighbours, through a random threshold fixed per weight, so updates smaller than bf16's spacing are not "
-        "lost (tasks/train/weight_rounding.py). The engines get the trainer's bf16 weights either way.",
+        "stochastic: up with probability equal to the weight's position between its two bf16 neighbours, through a "
+        "random threshold fixed per weight, so updates smaller than bf16's spacing are not lost (learns as fp32 "
+        "does on bench_learning; tasks/train/weight_rounding.py); nearest: megatron's. The engines get the "
+        "trainer's bf16 weights either way.",
     )
     bf16: bool | None = Field(
         None, description="slime's --bf16: the same as --precision bf16 (--no-bf16: fp32). Mirrors the precision."

@@ -53,13 +53,15 @@ def test_weights_leave_in_hf_names_and_load_into_transformers(tiny):
     assert all(v.dtype == torch.float32 for v in sd.values())  # from the fp32 masters
 
 
-def test_weights_written_for_bf16_engines_are_the_masters_rounded(tiny, tmp_path):
+def test_weights_written_for_bf16_engines_are_the_masters_rounded_to_nearest(tiny, tmp_path):
     import json
 
     from safetensors.torch import load_file
 
     path, tok = tiny
-    trainer = make_trainer(path, tok, bf16=True)
+    training = TrainingConfig(global_batch_size=4, micro_batch_size=2, lr=1e-2, bf16=True, hf_checkpoint=str(path),
+                              bf16_weight_rounding="nearest")  # fmt: skip
+    trainer = PolicyTrainer(path, training, AlgorithmConfig(), temperature=1.0, pad_token_id=tok.pad_token_id)
     trainer.train_rollout(samples(tok, [1.0, -1.0, 1.0, -1.0]), step=0)
     out = trainer.write_weights(path, tmp_path, dtype="bfloat16")
     written = load_file(out / "model.safetensors")
