@@ -36,6 +36,7 @@ if sys.argv[0] == "-m" or os.path.basename(sys.argv[0]) == "sluiceway":
     exit_on_signals(sys.argv[1:])
 
 from sluiceway.flows.cli.main import entry, main, make_parser
-from sluiceway.flows.cli.parser import field_flags, resolve_config
+from sluiceway.flows.cli.parser import resolve_config
+from sluiceway.flows.config import field_flags
 
 __all__ = ["entry", "field_flags", "main", "make_parser", "resolve_config"]

@@ -10,7 +10,7 @@ import typing
 from typing import Literal, get_args, get_origin
 
 from sluiceway.flows import slime
-from sluiceway.flows.config import RunConfig, build_config, load_yaml
+from sluiceway.flows.config import RunConfig, build_config, flag, load_yaml
 from sluiceway.infra.errors import UserError
 
 PARTS = tuple(RunConfig.model_fields)  # resources, data, rollout, ...: the config's parts, each a help group
@@ -28,21 +28,6 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> typing.NoReturn:  # argparse would print usage and the message
         raise UserError(f"{self.prog}: {message}")
-
-
-def flag(field: str) -> str:
-    return "--" + field.replace("_", "-")
-
-
-def field_flags() -> dict[str, tuple[str, str]]:
-    """flag -> (part, field) for every field of every config part."""
-    flags: dict[str, tuple[str, str]] = {}
-    for part, info in RunConfig.model_fields.items():
-        for name in info.annotation.model_fields:
-            f = flag(name)
-            assert f not in flags, f"config field {name} is defined in two parts"
-            flags[f] = (part, name)
-    return flags
 
 
 _ABBREVIATION = re.compile(r"(?:\b(?:e\.g|i\.e|etc|vs|cf)|\d)\.$")

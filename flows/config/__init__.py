@@ -18,7 +18,7 @@ from sluiceway.flows.config.data import DataConfig
 from sluiceway.flows.config.durability import DurabilityConfig
 from sluiceway.flows.config.eval import EvalConfig
 from sluiceway.flows.config.group import Group
-from sluiceway.flows.config.loading import build_config, format_validation_error, load_yaml
+from sluiceway.flows.config.loading import build_config, field_flags, flag, format_validation_error, load_yaml
 from sluiceway.flows.config.logging import LoggingConfig
 from sluiceway.flows.config.replay import ReplayConfig
 from sluiceway.flows.config.resources import ResourcesConfig
@@ -31,6 +31,8 @@ from sluiceway.flows.config.training import LORA_TARGET_NAMES, TrainingConfig
 from sluiceway.flows.config.variants import CispoLoss, GspoLoss, LoraPart, OpdPart, PolicyLoss, PpoClipLoss, SapoLoss
 
 __all__ = [
+    "field_flags",
+    "flag",
     "LORA_TARGET_NAMES",
     "AlgorithmConfig",
     "CispoLoss",

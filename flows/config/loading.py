@@ -79,3 +79,19 @@ def build_config(
         return RunConfig.model_validate(merged, context={"command": command})
     except ValidationError as e:
         raise UserError(format_validation_error(e, source)) from None
+
+
+def flag(field: str) -> str:
+    """A config field's command-line flag (`rollout_batch_size` -> `--rollout-batch-size`: slime's names)."""
+    return "--" + field.replace("_", "-")
+
+
+def field_flags() -> dict[str, tuple[str, str]]:
+    """flag -> (part, field) for every field of every config part (the CLI's flags; slime's room reads them too)."""
+    flags: dict[str, tuple[str, str]] = {}
+    for part, info in RunConfig.model_fields.items():
+        for name in info.annotation.model_fields:
+            f = flag(name)
+            assert f not in flags, f"config field {name} is defined in two parts"
+            flags[f] = (part, name)
+    return flags

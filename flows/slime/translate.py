@@ -293,19 +293,13 @@ def log_pending() -> None:
 def classify(flag: str) -> str | None:
     """How sluiceway treats one of slime's flags: implemented (a config field of that name, or handled here),
     mapped, not applicable, architecture; None: unknown."""
+    from sluiceway.flows.config import field_flags
+
     if flag in SLIME_FLAGS:
         return SLIME_FLAGS[flag].kind
-    if flag in _config_flags() or flag.startswith("--sglang-"):
+    if flag in field_flags() or flag.startswith("--sglang-"):
         return IMPLEMENTED
     return None
-
-
-def _config_flags() -> set[str]:
-    """The config fields' flags, named as the CLI names them (read from the config, so this room needs no CLI)."""
-    from sluiceway.flows.config import RunConfig
-
-    parts = RunConfig.model_fields.values()
-    return {"--" + name.replace("_", "-") for part in parts for name in part.annotation.model_fields}
 
 
 # sluiceway fields whose value is a user function: slime's take slime's own types and need porting
