@@ -8,6 +8,7 @@ import itertools
 import json
 from typing import Any
 
+from sluiceway.infra.weight_pin import PIN_LABELS, WEIGHT_VERSION_MISMATCH
 from sluiceway.models.engine.core import SamplingParams
 
 # SGLang sampling fields implemented here (types checked below).
@@ -44,6 +45,7 @@ _SAMPLING_DEFAULT_ONLY: dict[str, Any] = {
 # Top-level /generate fields: handled, or accepted when they ask for nothing this engine lacks.
 GENERATE_FIELDS = {
     "text", "input_ids", "sampling_params", "rid", "return_logprob", "stream", "logprob_start_len", "lora_path",
+    "min_weight_version", "max_weight_version", "custom_labels",
 }  # fmt: skip
 GENERATE_DEFAULT_ONLY: dict[str, Any] = {
     # sglang-router 0.3.2 re-serialises /generate and adds these at their defaults (see infra/router.py).
@@ -173,3 +175,55 @@ def per_item(value: Any, n: int, name: str, batched: bool) -> list[Any]:
             raise BadRequest(f"{name}: a list must have one entry per request ({n}), got {len(value)}")
         return value
     return [value] * n
+
+
+# ------------------------------------------------------------------------------------------ weight-version pin
+# The fields, their custom_labels copy (what survives sglang-router) and the 409: infra/weight_pin.py.
+
+
+def _pin_int(v: Any, name: str, label: bool) -> int:
+    if label and isinstance(v, str):
+        try:
+            return int(v.strip())
+        except ValueError:
+            pass
+    elif isinstance(v, int) and not isinstance(v, bool):
+        return v
+    raise BadRequest(f"{name} must be an integer weight version, got {v!r}")
+
+
+def parse_weight_pin(body: dict[str, Any]) -> tuple[int | None, int | None]:
+    """(min, max) weight version a /generate body pins, from its fields or its custom_labels; (None, None) when it
+    pins nothing. A malformed pin (not an integer, min > max, the two carriers disagreeing) is a BadRequest."""
+    labels = body.get("custom_labels")
+    if labels is not None and (not isinstance(labels, dict) or any(not isinstance(v, str) for v in labels.values())):
+        raise BadRequest("custom_labels must be an object of string values")
+    pin: list[int | None] = []
+    for field_name, label in PIN_LABELS.items():
+        v = body.get(field_name)
+        direct = None if v is None else _pin_int(v, field_name, label=False)
+        lv = (labels or {}).get(label)
+        carried = None if lv is None else _pin_int(lv, f"custom_labels.{label}", label=True)
+        if direct is not None and carried is not None and direct != carried:
+            raise BadRequest(f"{field_name}={direct} but custom_labels.{label}={carried}: they must agree")
+        pin.append(direct if direct is not None else carried)
+    lo, hi = pin
+    if lo is not None and hi is not None and lo > hi:
+        raise BadRequest(f"min_weight_version {lo} is above max_weight_version {hi}")
+    return lo, hi
+
+
+def weight_pin_refusal(serving: str, lo: int | None, hi: int | None) -> dict[str, Any] | None:
+    """The 409 body refusing a request pinned to (lo, hi) on an engine serving `serving`, or None if it may run.
+    Versions compare as integers; an engine whose version is not one (SGLang's "default") refuses any pin."""
+    if lo is None and hi is None:
+        return None
+    try:
+        v: int | None = int(serving)
+    except (TypeError, ValueError):
+        v = None
+    if v is not None and (lo is None or v >= lo) and (hi is None or v <= hi):
+        return None
+    want = f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
+    message = f"this engine serves weight version {serving!r}, the request is pinned to {want}"
+    return {"error": {"type": WEIGHT_VERSION_MISMATCH, "message": message, "serving": serving, "min": lo, "max": hi}}

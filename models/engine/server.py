@@ -15,7 +15,9 @@ resume on `/continue_generation`; "abort" aborts them first); LoRA adapters are 
 time: every loaded name is served by the newest adapter (SGLang serves each its own until unloaded); sampling
 fields SGLang knows but this engine does not implement are accepted only at their defaults; any input the engine
 cannot honour is a 400 with one message, numbers outside SGLang's ranges and bodies that are not UTF-8 JSON
-objects of valid text included (a Content-Type other than JSON is a 415).
+objects of valid text included (a Content-Type other than JSON is a 415). Added: a /generate pinned to weight
+versions (``min_weight_version``/``max_weight_version``, infra/weight_pin.py) that this engine does not serve is
+refused with a 409 (SGLang has no such field and ignores it).
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ from sluiceway.models.engine.requests import (
     BadRequest,
     parse_json_body,
     parse_sampling_params,
+    parse_weight_pin,
     per_item,
+    weight_pin_refusal,
 )
 
 log = logging.getLogger(__name__)
@@ -238,6 +242,15 @@ class EngineServer:
     async def generate(self, body: dict[str, Any]):
         t0 = time.perf_counter()
         reqs, rlp, batched, starts, score_only = self._to_requests(body)
+        # A pinned request (infra/weight_pin.py) is checked against the version served when it is admitted here,
+        # before it is queued, so before any of its tokens exist; a refusal is a 409 the client raises as
+        # WeightVersionRefused. That is the whole guarantee: a weight update landing while it waits or runs
+        # (/update_weight_version aborts what is in flight unless told not to; /update_weights_from_disk only
+        # with abort_all_requests) can still give it tokens of a later version, and then meta_info.weight_version
+        # (the version at completion, as today) says so and the rollout's staleness check still applies.
+        refusal = weight_pin_refusal(self.engine.weight_version, *parse_weight_pin(body))
+        if refusal is not None:
+            return JSONResponse(refusal, status_code=409)
         loop = asyncio.get_running_loop()
         if not body.get("stream", False):
             handles = []

@@ -11,7 +11,8 @@ Who retries what:
   re-sends the same ``rid`` too. A read timeout is not retried: the request may still be running and a
   second copy would double the work; it raises.
 Either way an engine may have seen a request twice, and the caller gets one result per call: keep results
-keyed by ``rid``. 4xx answers (a bad request) raise :class:`EngineCallError` at once.
+keyed by ``rid``. 4xx answers (a bad request) raise :class:`EngineCallError` at once; a 409 refusing a request
+pinned to weight versions the engine does not serve raises its subclass :class:`WeightVersionRefused`.
 
 The router does not forward ``/abort_request``, ``/pause_generation``, ``/continue_generation``,
 ``/update_weights_from_disk`` or ``/model_info``: those go to each engine in ``engine_urls`` directly, which
@@ -29,11 +30,23 @@ from typing import Any
 import httpx
 
 from sluiceway.infra.router import ROUTING_KEY_HEADER
+from sluiceway.infra.weight_pin import WEIGHT_VERSION_MISMATCH, pin_body
 from sluiceway.tasks.rollout.generation import GenerationDefaults
 
 
 class EngineCallError(RuntimeError):
     """A generate call failed for good, or an engine refused a control call (the message names the engine)."""
+
+
+class WeightVersionRefused(EngineCallError):
+    """A pinned generate call refused by the engine it reached: it serves a version outside [min, max].
+    Not retried: the same router would send it to engines serving the same version."""
+
+    def __init__(self, message: str, serving: int | None, min_version: int | None, max_version: int | None):
+        super().__init__(message)
+        self.serving = serving  # the engine's version; None when it is not an integer (SGLang's "default")
+        self.min_version = min_version
+        self.max_version = max_version
 
 
 @dataclass
@@ -81,6 +94,26 @@ def parse_generate_response(body: dict, rid: str, prompt_len: int, latency_s: fl
     )
 
 
+def _refusal(r: httpx.Response, rid: str, url: str) -> WeightVersionRefused | None:
+    """The WeightVersionRefused a 409 carries (infra/weight_pin.py), or None for any other answer. Read from the
+    body whatever its Content-Type: through the router a refused streamed request comes back as event-stream."""
+    if r.status_code != 409:
+        return None
+    try:
+        err = r.json().get("error")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(err, dict) or err.get("type") != WEIGHT_VERSION_MISMATCH:
+        return None
+    serving = err.get("serving")
+    try:
+        version = None if isinstance(serving, bool) else int(serving)
+    except (TypeError, ValueError):
+        version = None
+    message = f"rid {rid}: {url}/generate refused it (409): {err.get('message') or 'weight version mismatch'}"
+    return WeightVersionRefused(message, version, err.get("min"), err.get("max"))
+
+
 def _error_text(r: httpx.Response) -> str:
     try:
         body = r.json()
@@ -126,10 +159,17 @@ class EngineClient:
         rid: str,
         return_logprob: bool = True,
         routing_key: str | None = None,
+        min_weight_version: int | None = None,
+        max_weight_version: int | None = None,
     ) -> GenerateResult:
         """One request through the router. Requests with one `routing_key` (a GRPO group's samples) go to one
-        engine, where they share their prompt's prefill (infra/router.py: the manual policy)."""
+        engine, where they share their prompt's prefill (infra/router.py: the manual policy).
+
+        `min_weight_version` / `max_weight_version` pin the request: an engine serving a version outside them
+        refuses it before generating (WeightVersionRefused). The embedded engine enforces this; real SGLang
+        engines ignore the pin (docs/weight_sync.md), so the result's weight_version stays the check that counts."""
         body = {"input_ids": list(input_ids), "sampling_params": sampling_params, "rid": rid}
+        body |= pin_body(min_weight_version, max_weight_version)
         if self.lora_names:
             body["lora_path"] = self.lora_names[-1]
         keyed = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
@@ -191,6 +231,9 @@ class EngineClient:
                 last = f"{r.status_code} {_error_text(r)}"
                 continue
             if r.status_code >= 400:
+                refused = _refusal(r, rid, self.router_url)
+                if refused is not None:
+                    raise refused
                 answer = f"{r.status_code}: {_error_text(r)}"
                 raise EngineCallError(f"rid {rid}: {self.router_url}/generate answered {answer}")
             return r.json()

@@ -49,6 +49,8 @@ class RolloutClient(Protocol):
         rid: str,
         return_logprob: bool = True,
         routing_key: str | None = None,
+        min_weight_version: int | None = None,
+        max_weight_version: int | None = None,
     ) -> GenerateResult: ...
 
     async def abort_all(self) -> None:

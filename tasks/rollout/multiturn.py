@@ -73,6 +73,10 @@ class GenerateContext:
     max_new_tokens: int  # the sample's whole budget of response tokens, model and environment together
     routing_key: str | None = None  # the group's: every turn of every sample of a group goes to one engine
     max_prompt_len: int | None = None  # the longest prompt a sample may start from (--rollout-max-prompt-len)
+    # The weight versions every turn may be sampled at (tasks/rollout/client.py EngineClient.generate): an engine
+    # serving another refuses the turn with WeightVersionRefused.
+    min_weight_version: int | None = None
+    max_weight_version: int | None = None
 
     def new_buffer(self, prompt_ids: list[int]) -> TokenBuffer:
         return TokenBuffer(list(prompt_ids))
@@ -87,7 +91,12 @@ class GenerateContext:
         """One model turn from the buffer's current end; appends the result and returns it."""
         p = dict(params, max_new_tokens=min(params.get("max_new_tokens", self.max_new_tokens), self.remaining(buf)))
         result = await self.client.generate(
-            buf.input_ids(), p, rid=f"{self.rid}#{buf.turns}", routing_key=self.routing_key
+            buf.input_ids(),
+            p,
+            rid=f"{self.rid}#{buf.turns}",
+            routing_key=self.routing_key,
+            min_weight_version=self.min_weight_version,
+            max_weight_version=self.max_weight_version,
         )
         buf.add_model(result)
         return result

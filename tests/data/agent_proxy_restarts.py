@@ -26,7 +26,9 @@ class Engine:
     def __init__(self, tok):
         self.ids = tok.encode("4", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
 
-    async def generate(self, input_ids, params, rid, routing_key=None):
+    async def generate(
+        self, input_ids, params, rid, routing_key=None, min_weight_version=None, max_weight_version=None
+    ):
         return GenerateResult(rid, list(self.ids), [-0.5] * len(self.ids), "stop", 0, len(input_ids), 0.0)
 
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sluiceway.tasks.rollout.client import EngineCallError, GenerateResult
+from sluiceway.tasks.rollout.client import EngineCallError, GenerateResult, WeightVersionRefused
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Call:
     input_ids: list[int]
     params: dict
     routing_key: str | None
-    outcome: str = "running"  # answered | aborted | cancelled | failed
+    outcome: str = "running"  # answered | aborted | cancelled | failed | refused
 
 
 @dataclass
@@ -61,6 +61,8 @@ class FakeEngine:
         rid: str,
         return_logprob: bool = True,
         routing_key: str | None = None,
+        min_weight_version: int | None = None,
+        max_weight_version: int | None = None,
     ) -> GenerateResult:
         call = Call(rid, list(input_ids), dict(sampling_params), routing_key)
         self.calls.append(call)
@@ -68,6 +70,10 @@ class FakeEngine:
         if self.dead:
             call.outcome = "failed"
             raise EngineCallError(f"rid {rid}: {self.router_url}/generate failed 5 times; last: ConnectError")
+        lo, hi = min_weight_version, max_weight_version
+        if (lo is not None and self.version < lo) or (hi is not None and self.version > hi):
+            call.outcome = "refused"  # as the embedded engine: before any token, a 409 (WeightVersionRefused)
+            raise WeightVersionRefused(f"rid {rid}: refused, serving {self.version}", self.version, lo, hi)
         reply = self.script(rid) if self.script else Reply()
         abort = self._abort  # an abort_all from now on cuts this request
         try:

@@ -130,7 +130,9 @@ def agent(base_url, api_key, prompt):
 
 
 class FailingEngine:
-    async def generate(self, input_ids, params, rid, routing_key=None):
+    async def generate(
+        self, input_ids, params, rid, routing_key=None, min_weight_version=None, max_weight_version=None
+    ):
         raise RuntimeError("engine exploded")
 
 

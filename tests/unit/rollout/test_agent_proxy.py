@@ -37,7 +37,9 @@ class ScriptedEngine:
     delay_s: float = 0.0
     calls: list[dict] = field(default_factory=list)
 
-    async def generate(self, input_ids, params, rid, routing_key=None):
+    async def generate(
+        self, input_ids, params, rid, routing_key=None, min_weight_version=None, max_weight_version=None
+    ):
         await asyncio.sleep(self.delay_s)
         k = len(self.calls)
         ids = self.tokenizer.encode(self.texts[k % len(self.texts)], add_special_tokens=False)[
