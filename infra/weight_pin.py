@@ -9,7 +9,8 @@ Measured on sglang-router 0.3.2 (tests/integration/test_weight_pin.py): the rout
 its typed request and drops both fields (unknown sampling fields too), and it forwards no header but its routing
 key. It keeps SGLang's ``custom_labels`` (an object of strings) unchanged, so the client sends the pin there as
 well (a real SGLang engine uses those only as metric labels). The 409 and its JSON body come back to the client
-unchanged and are not retried on another worker (4xx passes through).
+unchanged and are not retried on another worker (4xx passes through). The router does count each 409 as a worker
+failure: with its circuit breaker on (off in infra/router.py's SGLangRouter) ten refusals would bench an engine.
 """
 
 from __future__ import annotations
