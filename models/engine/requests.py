@@ -183,10 +183,8 @@ def per_item(value: Any, n: int, name: str, batched: bool) -> list[Any]:
 
 def _pin_int(v: Any, name: str, label: bool) -> int:
     if label and isinstance(v, str):
-        try:
-            return int(v.strip())
-        except ValueError:
-            pass
+        if v.isascii() and v.lstrip("-").isdigit() and len(v) < 20:  # int() alone also takes "1_0", " 3", "٣"
+            return int(v)
     elif isinstance(v, int) and not isinstance(v, bool):
         return v
     raise BadRequest(f"{name} must be an integer weight version, got {v!r}")
