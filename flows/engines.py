@@ -1,8 +1,10 @@
-"""The rollout engines of a run: embedded engines and/or external ones, behind one sglang-router.
+"""The rollout engines of a run: embedded engines and/or external ones, behind one sglang-router, and the remote
+pools beside them (fixed ones, and the pool registry's: tasks/rollout/pool_directory.py).
 
 Generation goes through the router; control calls (abort, pause, weight updates) go to each engine, because
 the router does not forward them. The async client lives on a private loop so synchronous Prefect tasks
-can use it.
+can use it. A run with no engines of its own (rollout_num_engines 0 with rollout_pools) starts no router and
+no engine: ``client`` is None, and the remote pools do all the generating.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from sluiceway.infra.engine_fleet import EngineFleet, start_scoring_engine
 from sluiceway.models.lora import is_adapter_dir, lora_server_args
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.weights import WeightStore
+from sluiceway.storage.weights.pool_registry import PoolRegistry
 from sluiceway.tasks.rollout.client import EngineClient
 from sluiceway.tasks.rollout.dispatch import PoolTarget
+from sluiceway.tasks.rollout.pool_directory import PoolDirectory
 
 log = logging.getLogger("sluiceway")
 
@@ -36,11 +40,13 @@ class RolloutEngines:
 
             connect(cfg.resources.ray_address)
         # eval's responses may be longer than training's: engine_max_total_len
-        self.fleet = EngineFleet(
-            cfg, model_dir, log_dir, weight_version, engine_max_total_len(cfg), lora_server_args(cfg)
-        )
-        self.pool = self.fleet.pool
-        self.cfg, self.loop, self.client, self.remote = cfg, None, None, []
+        self.fleet = None
+        if cfg.has_own_engines:
+            self.fleet = EngineFleet(
+                cfg, model_dir, log_dir, weight_version, engine_max_total_len(cfg), lora_server_args(cfg)
+            )
+        self.pool = self.fleet.pool if self.fleet is not None else None
+        self.cfg, self.loop, self.client, self.remote, self.directory = cfg, None, None, [], None
         self.weight_version = weight_version  # what the engines serve; set after each update
         # SGLang engines take LoRA adapter versions through their LoRA endpoints (the embedded engine merges them
         # on /update_weights_from_disk; it also has the endpoints: tests/integration/test_lora_endpoints.py).
@@ -50,12 +56,15 @@ class RolloutEngines:
 
     def wait_ready(self) -> RolloutEngines:
         """Wait until every engine is healthy and behind the router; then the client can generate."""
-        if self.client is not None:
+        if self.loop is not None:
             return self
-        self.fleet.wait_ready()
+        if self.fleet is not None:
+            self.fleet.wait_ready()
         self.loop = BackgroundLoop()
-        self.client = self.loop.run(self._make_client(self.fleet.router.url, self.pool.urls))
+        if self.fleet is not None:
+            self.client = self.loop.run(self._make_client(self.fleet.router.url, self.pool.urls))
         self.remote = self._remote_pools(self.cfg)
+        self.directory = self._pool_directory(self.cfg)
         return self
 
     async def _make_client(self, router_url: str, engine_urls: list[str]) -> EngineClient:
@@ -72,14 +81,31 @@ class RolloutEngines:
             client = self.loop.run(self._make_client(url, []))
             targets.append(PoolTarget(name, client, cfg.rollout.rollout_max_concurrency,
                                       read_version=functools.partial(reported_version, wstore, name)))  # fmt: skip
-        log.info("remote pools: %s (weight store %s)", ", ".join(f"{n}={u}" for n, u in cfg.remote_pools), wstore)
+        log.info("remote pools: %s (weight store %s)", ", ".join(n for n, _ in cfg.remote_pools), wstore)
         return targets
+
+    def _pool_directory(self, cfg: RunConfig) -> PoolDirectory | None:
+        """The pools registered beside the weight store(s) of --rollout-pools auto / a registry URI."""
+        if not cfg.pool_registry_uris:
+            return None
+        s = cfg.storage
+        registries = [PoolRegistry(WeightStore(ObjectStore.from_uri(u, s.s3_endpoint_url, s.s3_region)))
+                      for u in cfg.pool_registry_uris]  # fmt: skip
+        log.info("pools: those registered in %s", ", ".join(map(repr, registries)))
+        # Made on the loop that generates (the dispatcher reads the registry there).
+        return PoolDirectory(registries, lambda url: EngineClient(url, []), cfg.rollout.rollout_max_concurrency)
+
+    @property
+    def has_pools(self) -> bool:
+        return bool(self.remote) or self.directory is not None
 
     def run(self, coro):
         return self.loop.run(coro)
 
     def prune_dead(self) -> list[str]:
         """Drop engines that died from the pool, the router and the client; the run goes on with the rest."""
+        if self.pool is None:  # no engines of its own
+            return []
         dead = self.pool.check()
         for url in dead:
             self.client.remove_engine(url)
@@ -89,6 +115,9 @@ class RolloutEngines:
         return dead
 
     def update_weights(self, model_dir: Path, version: int) -> None:
+        if self.client is None:  # no engines of its own: pools pull the version from the weight store
+            self.weight_version = version
+            return
         self.prune_dead()  # a dead engine cannot take the update; the router already routes around it
         if self.lora_endpoints and is_adapter_dir(model_dir):
             # SGLang serves adapters beside its base weights: load each version as one, requests name it.
@@ -106,11 +135,15 @@ class RolloutEngines:
             if self.loop is not None:  # None: closed before wait_ready
                 for t in self.remote:
                     self.run(t.client.aclose())
-                self.run(self.client.aclose())
+                if self.directory is not None:
+                    self.run(self.directory.aclose())
+                if self.client is not None:
+                    self.run(self.client.aclose())
         finally:
             if self.loop is not None:
                 self.loop.close()
-            self.fleet.close()
+            if self.fleet is not None:
+                self.fleet.close()
 
 
 def reported_version(wstore: WeightStore, name: str) -> int | None:

@@ -8,6 +8,12 @@ real sglang-router with a pool agent pulling weight versions from a weight store
 
 A bare list of pools is accepted too. Every pool gets its own directory under the work directory (logs, the
 agent's materialized weights and status.json).
+
+Each pool registers in the pool registry beside its weight store (storage/weights/pool_registry.py), so a run
+with `--rollout-pools auto` finds it: ``url`` is the router address runs should use (default: the router's own,
+on loopback; a pool elsewhere names its load balancer or ingress, and binds ``host``). Leaving: SIGTERM (or a
+first Ctrl-C) drains every pool of the process, `sluiceway pools drain NAME` one pool; a drained pool deregisters
+and stops its engines, and the process ends when no pool is left. A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +37,7 @@ from sluiceway.infra.router import SGLangRouter
 from sluiceway.infra.s3_server import SeaweedS3
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.weights import WeightStore
+from sluiceway.storage.weights.pool_registry import PoolRegistry
 
 
 class _Spec(BaseModel):
@@ -45,6 +52,12 @@ class PoolSpec(_Spec):
     weights_uri: str = Field(description="the weight store the agent polls: a local path or s3://bucket/prefix")
     poll_interval_s: float = Field(2.0, gt=0)
     engine_args: list[str] = []  # extra `sluiceway engine` flags, e.g. ["--dtype", "bfloat16"]
+    host: str = "127.0.0.1"  # where the router listens; 0.0.0.0 for a pool that runs elsewhere than its runs
+    router_port: int | None = Field(None, ge=1, le=65535)  # default: a free port
+    url: str | None = Field(None, pattern=r"^https?://[^/\s]+", description="the router as runs reach it")
+    capacity: int | None = Field(None, ge=1, description="samples in flight at once (default: the run's limit)")
+    heartbeat_s: float = Field(10.0, gt=0)
+    drain_timeout_s: float = Field(600.0, gt=0)
 
 
 class SeaweedSpec(_Spec):
@@ -82,6 +95,7 @@ class LocalPool:
     router: SGLangRouter
     engines: EnginePool
     agent: PoolAgent
+    close: Callable[[], None]  # stops the agent, the engines and the router (once drained, or at exit)
 
     @property
     def url(self) -> str:
@@ -104,18 +118,20 @@ def local_pool(
     model = str(resolve_checkpoint(spec.model))  # once here: engines building a zoo model side by side would race
     wstore = WeightStore(ObjectStore.from_uri(spec.weights_uri))
     with contextlib.ExitStack() as stack:
-        router = stack.enter_context(SGLangRouter(logs, health_check_interval_s=2))
+        router = SGLangRouter(logs, health_check_interval_s=2, host=spec.host, port=spec.router_port)
+        stack.enter_context(router)
         engines = EnginePool(model, spec.num_engines, logs, router=router, env=env, engine_args=tuple(spec.engine_args))
         stack.callback(engines.close)
         engines.spawn()
         agent = PoolAgent(spec.name, wstore, lambda: engines.urls, pool_dir / "agent", region=spec.region,
-                          poll_interval_s=spec.poll_interval_s)  # fmt: skip
+                          poll_interval_s=spec.poll_interval_s, url=spec.url or router.url, capacity=spec.capacity,
+                          heartbeat_s=spec.heartbeat_s, drain_timeout_s=spec.drain_timeout_s)  # fmt: skip
         stack.callback(agent.stop)
         if wait:
             engines.wait_ready()
             if poll:
                 agent.start()
-        yield LocalPool(spec, router, engines, agent)
+        yield LocalPool(spec, router, engines, agent, stack.close)
 
 
 @contextlib.contextmanager
@@ -148,6 +164,9 @@ def pools_up(path: str | Path, work_dir: str | Path) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     with local_pools(spec, work_dir) as pools:
+        leaving = _Leaving(pools)
+        signal.signal(signal.SIGINT, leaving.on_signal)
+        signal.signal(signal.SIGTERM, leaving.on_signal)
         if spec.seaweedfs is not None:
             env_file = work_dir.resolve() / "s3.env"
             env_file.write_text("".join(f"export {k}={v}\n" for k, v in _s3_env().items()))
@@ -157,10 +176,60 @@ def pools_up(path: str | Path, work_dir: str | Path) -> int:
             print(f"pool {p.spec.name} ({p.spec.region}): {p.url}  engines {' '.join(p.engines.urls)}  "
                   f"status {p.agent.status_path}", flush=True)  # fmt: skip
         try:
-            while True:
-                time.sleep(3600)
+            leaving.serve()
         except KeyboardInterrupt:
             print("stopping pools", flush=True)
+    return 0
+
+
+class _Leaving:
+    """The pools of one `pools up` until each has left: the first signal drains them all, a second stops at once."""
+
+    def __init__(self, pools: list[LocalPool]) -> None:
+        self.live = list(pools)
+        self.signalled = False
+
+    def on_signal(self, signum, frame) -> None:
+        if self.signalled:
+            raise KeyboardInterrupt
+        self.signalled = True
+        print(f"draining pools {', '.join(p.spec.name for p in self.live)} (again to stop at once)", flush=True)
+        for p in self.live:
+            p.agent.drain()
+
+    def serve(self) -> None:
+        """Until every pool has drained: a drained pool's engines and router stop as soon as it has left."""
+        while self.live:
+            for p in [p for p in self.live if p.agent.left.is_set()]:
+                self.live.remove(p)
+                p.close()
+                print(f"pool {p.spec.name} left", flush=True)
+            time.sleep(0.2)
+
+
+def drain_pool(name: str, weights_uri: str) -> int:
+    """`sluiceway pools drain NAME --weights-uri URI`: ask a registered pool to leave."""
+    registry = PoolRegistry(WeightStore(ObjectStore.from_uri(weights_uri)))
+    if name not in registry.records():
+        raise UserError(f"pools drain: no pool named {name!r} is registered in {weights_uri}")
+    registry.request_drain(name)
+    print(f"pool {name}: asked to drain; it deregisters once its engines are idle", flush=True)
+    return 0
+
+
+def list_pools(weights_uri: str) -> int:
+    """`sluiceway pools list --weights-uri URI`: the registered pools (no URLs: they may hold credentials)."""
+    import datetime as dt
+
+    records = PoolRegistry(WeightStore(ObjectStore.from_uri(weights_uri))).records()
+    if not records:
+        print(f"no pool is registered in {weights_uri}")
+        return 0
+    print(f"{'pool':16} {'region':14} {'state':9} {'serving':>7} {'capacity':>8}  last heartbeat")
+    for name, r in records.items():
+        beat = "-" if r.updated_unix is None else dt.datetime.fromtimestamp(r.updated_unix, dt.UTC).isoformat()[:19]
+        serving = "-" if r.serving is None else f"v{r.serving}"
+        print(f"{name:16} {r.region:14} {r.state:9} {serving:>7} {r.capacity or '-':>8}  {beat}")
     return 0
 
 

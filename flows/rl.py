@@ -89,7 +89,8 @@ def rollout_task(run_id: str, step: int) -> dict:
             decode=rt.decode,
             on_progress=lambda done, need: rt.console.update(f"rollout step {step + 1}", done, need),
             remote_pools=rt.engines.remote,
-            min_version=pool_min_version(rt.cfg, step, version_at_start) if rt.engines.remote else None,
+            pool_directory=rt.engines.directory,
+            min_version=pool_min_version(rt.cfg, step, version_at_start) if rt.engines.has_pools else None,
         )
     )
     if res.groups_completed == 0 and res.groups_aborted:

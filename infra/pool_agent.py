@@ -18,11 +18,18 @@ tensor and file against the store's manifest) before it replaces ``current``, so
 copy without checksums.json (materialized by an older build) is not checked.
 
 The status (``work_dir/status.json``, rewritten atomically after every poll) is what the agent reports:
-``{"pool", "region", "version", "serving", "engines": {url: version}, "error", "updated"}``; ``version`` is the
-version every engine serves, or null while they disagree; ``serving`` is the oldest version any reachable engine
-serves (what a run must assume of a request the router sends anywhere in the pool). The same status goes to the
-weight store (``pools/NAME.json``) when it changes and at least every ``heartbeat_s``: that is how a run in
-another datacenter learns which version the pool serves (``tasks/rollout/dispatch.py``).
+``{"pool", "region", "url", "capacity", "state", "version", "serving", "engines": {url: version}, "error",
+"beat", "heartbeat_s", "updated", ...}``; ``version`` is the version every engine serves, or null while they
+disagree; ``serving`` is the oldest version any reachable engine serves (what a run must assume of a request the
+router sends anywhere in the pool). The same status is the pool's record in the pool registry beside the weight
+versions (``pools/NAME.json``, storage/weights/pool_registry.py), written when it changes and at least every
+``heartbeat_s``: that is how a run in another datacenter finds the pool, its router and the version it serves.
+
+Leaving: ``drain()`` (SIGTERM to `sluiceway pools up`) or a drain request in the registry (`sluiceway pools drain
+NAME`) puts the pool in state "draining": runs give it no new groups, it loads no new version, and once its
+engines have had nothing running or waiting for ``drain_quiet_s`` (longer than a run takes to see the state) it
+deletes its record (deregisters) and sets ``left``. After ``drain_timeout_s`` it deregisters anyway: a group still
+running there fails at the run, which generates it elsewhere.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import httpx
 
 from sluiceway.storage.weights import WeightStore, WeightSyncError, local_version, materialize
 from sluiceway.storage.weights.checksums import checksums_problem
+from sluiceway.storage.weights.pool_registry import DRAINING, SERVING, PoolRegistry
 
 log = logging.getLogger("sluiceway.pools")
 
@@ -56,10 +64,23 @@ class PoolAgent:
         region: str = "",
         poll_interval_s: float = 2.0,
         load_timeout_s: float = 600.0,
-        heartbeat_s: float = 30.0,
+        heartbeat_s: float = 10.0,
+        url: str | None = None,
+        capacity: int | None = None,
+        drain_quiet_s: float = 3.0,
+        drain_timeout_s: float = 600.0,
     ) -> None:
         self.name, self.region = name, region
+        self.url, self.capacity = url, capacity  # what the registry tells runs: where to send requests, how many
         self.wstore = wstore
+        self.registry = PoolRegistry(wstore)
+        self.state = SERVING  # then DRAINING, then "left" (deregistered)
+        self.drain_quiet_s, self.drain_timeout_s = drain_quiet_s, drain_timeout_s
+        self.left = threading.Event()  # set once drained and deregistered
+        self._drain = threading.Event()  # drain() asks; the polling thread acts
+        self._draining_since: float | None = None
+        self._idle_since: float | None = None
+        self._beat = 0
         self._urls = engine_urls if callable(engine_urls) else (lambda: list(engine_urls))
         self.work_dir = Path(work_dir)
         self.current = self.work_dir / "current"  # the materialized HF directory the engines load
@@ -71,6 +92,7 @@ class PoolAgent:
         self.engines: dict[str, int | None] = {}
         self._http = httpx.Client(timeout=load_timeout_s, trust_env=False)  # loopback/LAN engines: never a proxy
         self._stop = threading.Event()
+        self._wake = threading.Event()  # stop() and drain() cut the wait between polls short
         self._thread: threading.Thread | None = None
         self._checked = False  # whether ``current`` was checked against its checksums (once, at the first poll)
 
@@ -92,9 +114,21 @@ class PoolAgent:
         return min(found) if found else None
 
     def poll_once(self) -> int | None:
-        """Fetch and load the newest version if there is one; returns the version the pool serves."""
+        """Fetch and load the newest version if there is one; returns the version the pool serves. A draining
+        pool loads nothing new: it waits for its engines to finish, then deregisters."""
+        if self.left.is_set():
+            return self.version
         if not self._checked:
             self._check_current()
+            try:  # a drain request left by an earlier pool of this name is not for us
+                self.registry.remove(self.name)
+            except OSError as exc:
+                log.warning("pool %s: could not clear its old record in %s: %s", self.name, self.wstore, exc)
+        if self.state == SERVING and (self._drain.is_set() or self.registry.drain_requested(self.name)):
+            self._begin_drain()
+        if self.state == DRAINING:
+            self._poll_draining()
+            return self.version
         latest = self.wstore.newest()
         held = self.held
         if latest is not None and (held is None or latest > held):
@@ -105,6 +139,66 @@ class PoolAgent:
             self.engines[url] = self._push(url, held)
         self._write_status()
         return self.version
+
+    # -- leaving ----------------------------------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Ask the pool to leave (safe from a signal handler): the polling thread drains, then deregisters."""
+        self._drain.set()
+        self._wake.set()
+
+    def _begin_drain(self) -> None:
+        self.state = DRAINING
+        self._draining_since = time.monotonic()
+        log.info("pool %s: draining (no new groups; deregisters once its engines are idle)", self.name)
+        self._write_status(force=True)
+
+    def _poll_draining(self) -> None:
+        now = time.monotonic()
+        busy = [url for url in self._urls() if self._engine_load(url) != 0]
+        if busy:
+            self._idle_since = None
+        elif self._idle_since is None:
+            self._idle_since = now
+        quiet = self._idle_since is not None and now - self._idle_since >= self.drain_quiet_s
+        overdue = now - self._draining_since >= self.drain_timeout_s
+        if not (quiet or overdue):
+            self._write_status()  # the heartbeat goes on: a draining pool is not a dead one
+            return
+        if overdue and not quiet:
+            log.warning("pool %s: engines %s still busy after %.0f s of draining; deregistering anyway (their "
+                        "groups are made elsewhere)", self.name, ", ".join(busy), self.drain_timeout_s)  # fmt: skip
+        self._deregister()
+
+    def _deregister(self) -> None:
+        try:
+            self.registry.remove(self.name)
+        except OSError as exc:  # runs then see the heartbeat stop, which ends in the same place
+            log.warning("pool %s: could not deregister from %s: %s", self.name, self.wstore, exc)
+        self.state = "left"
+        self._write_local_status(self.status())
+        log.info("pool %s: drained and deregistered", self.name)
+        self.left.set()
+        self._stop.set()
+
+    def _engine_load(self, url: str) -> int | None:
+        """Requests running or waiting at the engine (None: not known). The embedded engine answers /get_load
+        with one dict, SGLang with one per data-parallel rank."""
+        try:
+            r = self._http.get(f"{url}/get_load", timeout=10.0)
+            r.raise_for_status()
+            loads = r.json()
+        except (httpx.HTTPError, ValueError):
+            return None
+        total = 0
+        for load in loads if isinstance(loads, list) else [loads]:
+            if not isinstance(load, dict):
+                return None
+            if "num_reqs" in load:
+                total += int(load["num_reqs"])
+            else:
+                total += int(load.get("num_running_reqs", 0)) + int(load.get("num_waiting_reqs", 0))
+        return total
 
     def _check_current(self) -> None:
         """Drop a damaged held copy, so this poll fetches the newest version in full (one hash of the copy: SmolLM2,
@@ -156,30 +250,41 @@ class PoolAgent:
         return {
             "pool": self.name,
             "region": self.region,
+            "url": self.url,
+            "capacity": self.capacity,
+            "state": self.state,
             "version": self.version,
             "serving": self.serving,
             "held": self.held,
             "engines": self.engines,
             "error": self.error,
+            "beat": self._beat,
+            "heartbeat_s": self.heartbeat_s,
             "updated": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "updated_unix": time.time(),
         }
 
-    def _write_status(self) -> None:
+    def _write_status(self, force: bool = False) -> None:
+        status = self.status()
+        self._write_local_status(status)
+        self._report(status, force)
+
+    def _write_local_status(self, status: dict) -> None:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.status_path.with_name(f".status.{os.getpid()}.tmp")
-        status = self.status()
         tmp.write_text(json.dumps(status, indent=1))
         os.replace(tmp, self.status_path)  # a reader never sees half a status
-        self._report(status)
 
-    def _report(self, status: dict) -> None:
-        """Send the status to the weight store when it changed, else once per heartbeat (cheap on S3)."""
+    def _report(self, status: dict, force: bool = False) -> None:
+        """Send the status to the registry when it changed, else once per heartbeat (cheap on S3)."""
         now = time.monotonic()
-        same = {k: v for k, v in status.items() if k != "updated"}
-        if self._reported is not None and self._reported[0] == same and now - self._reported[1] < self.heartbeat_s:
+        same = {k: v for k, v in status.items() if k not in ("updated", "updated_unix", "beat")}
+        fresh = self._reported is not None and now - self._reported[1] < self.heartbeat_s
+        if not force and fresh and self._reported[0] == same:
             return
+        self._beat += 1
         try:
-            self.wstore.write_pool_status(self.name, status)
+            self.registry.write(status | {"beat": self._beat})
         except OSError as exc:  # the store is unreachable for now: the pool still serves; next poll tries again
             log.warning("pool %s: could not report status to %s: %s", self.name, self.wstore, exc)
             return
@@ -198,10 +303,13 @@ class PoolAgent:
                 self.poll_once()
             except Exception:  # noqa: BLE001 - a flaky store or engine must not end the agent; next poll retries
                 log.exception("pool %s: poll failed", self.name)
-            self._stop.wait(self.poll_interval_s)
+            # A draining pool looks at its engines more often: it deregisters soon after they are idle.
+            self._wake.wait(min(self.poll_interval_s, 0.5) if self.state == DRAINING else self.poll_interval_s)
+            self._wake.clear()
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30.0)
         self._http.close()

@@ -112,7 +112,8 @@ class RouterError(RuntimeError):
 
 
 class SGLangRouter:
-    """Owns one sglang-router process on 127.0.0.1; workers are added and removed over its HTTP API."""
+    """Owns one sglang-router process, on 127.0.0.1 unless ``host`` says otherwise (a pool that runs in another
+    place than its runs: flows/pools.py); workers are added and removed over its HTTP API."""
 
     def __init__(
         self,
@@ -127,12 +128,14 @@ class SGLangRouter:
         circuit_breaker: bool = False,
         startup_timeout_s: float = 30.0,
         extra_args: tuple[str, ...] = (),
+        host: str = HOST,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"router policy {policy!r}: expected one of {', '.join(POLICIES)}")
         self.log_dir = Path(log_dir)
         self.policy = policy
         self.port = port
+        self.host = host  # where it listens (its metrics stay on loopback)
         self.health_check_interval_s = health_check_interval_s
         self.health_failure_threshold = health_failure_threshold
         self.max_retries = max_retries
@@ -150,12 +153,13 @@ class SGLangRouter:
     def url(self) -> str:
         if self.port is None:
             raise RouterError("router is not started")
-        return f"http://{HOST}:{self.port}"
+        host = HOST if self.host in ("0.0.0.0", "::") else self.host  # every address: reach it on loopback
+        return f"http://{host}:{self.port}"
 
     def _command(self, port: int, prometheus_port: int) -> list[str]:
         return [
             sys.executable, "-m", "sglang_router.launch_router",
-            "--host", HOST, "--port", str(port),
+            "--host", self.host, "--port", str(port),
             "--prometheus-host", HOST, "--prometheus-port", str(prometheus_port),
             "--policy", self.policy,
             *(("--assignment-mode", "min_group") if self.policy == "manual" else ()),

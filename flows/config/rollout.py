@@ -98,10 +98,13 @@ class RolloutConfig(Group):
     )
     rollout_pools: list[str] | None = Field(
         None,
-        description="Remote pools that take groups beside the run's own engines, as NAME=ROUTER_URL (e.g. "
-        "east=http://10.0.0.5:30000). Their agents pull each weight version from the weight store and report "
-        "there what they serve (needs update_weight_mode delta); a pool gets groups only while its version is "
-        "fresh enough for the step (docs/weight_sync.md). Each takes up to rollout_max_concurrency requests.",
+        description="Remote pools that take groups beside the run's own engines: NAME=ROUTER_URL for a fixed pool "
+        "(e.g. east=http://10.0.0.5:30000), or `auto` for every pool registered beside the run's weight store "
+        "(pools that join and leave during the run; a registry URI, s3://bucket/prefix or a path, reads another "
+        "store's registry). Their agents pull each weight version from the weight store and report there what "
+        "they serve (needs update_weight_mode delta); a pool gets groups only while its version is fresh enough "
+        "for the step (docs/weight_sync.md). A fixed pool takes up to rollout_max_concurrency requests, a "
+        "registered one its own capacity.",
     )
 
     def check(self, context: dict) -> None:
@@ -116,7 +119,7 @@ class RolloutConfig(Group):
             raise ValueError("agent_function_path and custom_generate_function_path both replace the generate")
         if self.partial_rollout and self.agent_function_path:
             raise ValueError("partial_rollout cannot continue agent sessions: use one or the other")
-        self.remote_pools  # noqa: B018 - parses and checks each NAME=URL
+        self.remote_pools  # noqa: B018 - parses and checks each NAME=URL, auto or registry URI
         if self.rollout_num_gpus is not None and self.rollout_num_gpus % self.rollout_num_gpus_per_engine:
             raise ValueError(f"rollout_num_gpus ({self.rollout_num_gpus}) must be a multiple of "
                              f"rollout_num_gpus_per_engine ({self.rollout_num_gpus_per_engine})")  # fmt: skip
@@ -127,10 +130,25 @@ class RolloutConfig(Group):
         out: list[tuple[str, str]] = []
         for spec in self.rollout_pools or []:
             name, sep, url = spec.partition("=")
-            if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or not re.match(r"https?://[^/\s]+", url):
+            if not sep and _is_registry(spec):
+                continue
+            if not sep:
+                raise ValueError(f"rollout_pools: {spec!r} is not NAME=http://HOST:PORT, auto, or a pool registry "
+                                 "(the weight store URI pools register in: s3://bucket/prefix or a path)")  # fmt: skip
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or not re.match(r"https?://[^/\s]+", url):
                 raise ValueError(f"rollout_pools: {spec!r} is not NAME=http://HOST:PORT")
             if name == "local" or name in dict(out):
                 raise ValueError(f"rollout_pools: pool name {name!r} is taken (each pool needs its own; 'local' "
                                  "is the run's own engines)")  # fmt: skip
             out.append((name, url.rstrip("/")))
         return out
+
+    @property
+    def pool_registries(self) -> list[str]:
+        """rollout_pools' registries: `auto` (the run's weight store) or weight store URIs, as written."""
+        return [spec for spec in self.rollout_pools or [] if "=" not in spec and _is_registry(spec)]
+
+
+def _is_registry(spec: str) -> bool:
+    """`auto`, or a weight store URI: s3://, file:// or a path (an http:// URL is a pool, not a registry)."""
+    return spec == "auto" or (not spec.startswith(("http://", "https://")) and ("://" in spec or "/" in spec))

@@ -64,8 +64,19 @@ class RunConfig(Group):
 
     @property
     def remote_pools(self) -> list[tuple[str, str]]:
-        """rollout_pools as (name, router URL) pairs."""
+        """rollout_pools' fixed pools as (name, router URL) pairs."""
         return self.rollout.remote_pools
+
+    @property
+    def pool_registry_uris(self) -> list[str]:
+        """The weight stores whose pool registries the run reads (`auto`: its own weight store)."""
+        return list(dict.fromkeys(self.weights_uri if u == "auto" else u for u in self.rollout.pool_registries))
+
+    @property
+    def has_own_engines(self) -> bool:
+        """Whether the run starts or attaches engines of its own (else only remote pools generate)."""
+        r = self.rollout
+        return r.rollout_num_engines > 0 or bool(r.rollout_external_engine_addrs)
 
     def check(self, context: dict) -> None:
         """The rules between parts (each part checked its own fields before), for the context's command."""
@@ -102,8 +113,11 @@ class RunConfig(Group):
             if command == "run":  # a replay reads the stored teacher log-probs; eval needs no teacher
                 raise ValueError("opd_type sglang needs a teacher: opd_teacher_url (a running engine) or "
                                  "opd_teacher_load (an HF directory the run serves)")  # fmt: skip
-        if r.rollout_num_engines == 0 and not r.rollout_external_engine_addrs:
-            raise ValueError("no engines: set rollout_num_engines >= 1 or rollout_external_engine_addrs")
+        if r.rollout_num_engines == 0 and not r.rollout_external_engine_addrs and not r.rollout_pools:
+            raise ValueError("no engines: set rollout_num_engines >= 1, rollout_external_engine_addrs or rollout_pools")
+        if not self.has_own_engines and command == "run" and self.eval.eval_interval:
+            raise ValueError("eval_interval needs the run's own engines (rollout_num_engines >= 1): with "
+                             "rollout_num_engines 0 only remote pools generate, and only training groups")  # fmt: skip
         if r.rollout_pools and self.sync.update_weight_mode != "delta":
             raise ValueError(
                 "rollout_pools need update_weight_mode delta: remote pools get weights only from the weight store"

@@ -7,7 +7,11 @@ mode at most ``max_staleness`` versions behind the version that will train on it
 the one with the most free capacity takes the group, so a fast pool takes more groups and a lagging pool takes
 none: the run never waits for a slow pool while its own engines can do the work.
 
-The run's own engines ("local") always qualify: the flow updates them itself, before the step's rollout.
+The run's own engines ("local") always qualify: the flow updates them itself, before the step's rollout. A run
+may have none (`--rollout-num-engines 0` with pools): then nothing is hedged, and while no pool qualifies the
+dispatcher waits, saying once a minute what it waits for. Pools found in the pool registry
+(tasks/rollout/pool_directory.py) join and leave while the rollout runs: every refresh re-reads the registry; a
+draining or silent pool takes no new groups.
 A remote pool that fails a request (its router unreachable, every engine gone) is benched for ``bench_s`` and
 its group goes to another pool. A remote pool that is merely slow is hedged: once no group waits for a pool, a
 remote group running twice as long as the median group is also started on the run's own engines, and the first
@@ -24,9 +28,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from sluiceway.tasks.rollout.client import EngineCallError, GenerateResult
+from sluiceway.tasks.rollout.client import EngineCallError, GenerateResult, WeightVersionRefused
+
+if TYPE_CHECKING:
+    from sluiceway.tasks.rollout.pool_directory import PoolDirectory
 
 log = logging.getLogger("sluiceway")
 
@@ -79,6 +86,8 @@ class PoolTarget:
     version: int | None = None
     in_flight: int = 0
     benched_until: float = 0.0
+    draining: bool = False  # leaving: keeps its groups, takes no new ones (a registry pool)
+    silent: bool = False  # its heartbeat stopped (a registry pool)
     read_at: float = field(default=-1e9, repr=False)
 
 
@@ -93,10 +102,14 @@ class PoolDispatcher:
         bench_s: float = 30.0,
         wait_s: float = 0.5,
         hedge: HedgePolicy | None = None,
+        directory: PoolDirectory | None = None,
+        wait_log_s: float = 60.0,
     ) -> None:
-        if not targets:
+        if not targets and directory is None:
             raise ValueError("no pool to generate with")
-        self.targets = targets
+        self.fixed = targets  # the run's own engines and --rollout-pools NAME=URL pools
+        self.directory = directory
+        self.targets = self._all_targets()
         self.min_version = min_version
         self.refresh_s, self.bench_s, self.wait_s = refresh_s, bench_s, wait_s
         self.hedge = hedge or HedgePolicy()
@@ -104,11 +117,17 @@ class PoolDispatcher:
         self._skipped: set[str] = set()  # pools already logged as too stale this rollout
         self.waiting = 0  # groups handed to run() that hold no pool yet: while one waits, no room is idle
         self.group_seconds: list[float] = []  # how long finished groups took, this rollout
+        self.wait_log_s = wait_log_s
+        self._wait_logged: float | None = None  # when the last "waiting for a pool" line went out
+        self._directory_read_at = -1e9
+
+    def _all_targets(self) -> list[PoolTarget]:
+        return [*self.fixed, *(self.directory.targets.values() if self.directory is not None else ())]
 
     def qualifies(self, t: PoolTarget, now: float) -> bool:
         if t.local:
             return True
-        if now < t.benched_until:
+        if now < t.benched_until or t.draining or t.silent:
             return False
         if self.min_version is None:
             return t.version is not None
@@ -116,6 +135,16 @@ class PoolDispatcher:
 
     async def _refresh(self) -> None:
         now = time.monotonic()
+        if self.directory is not None and now - self._directory_read_at >= self.refresh_s:
+            self._directory_read_at = now
+            try:
+                records = await asyncio.to_thread(self.directory.read)
+            except OSError as exc:  # the store is unreachable for now: the pools stay as last read
+                log.warning("pool registry: could not read it: %s", exc)
+            else:
+                self.directory.apply(records)
+                await self.directory.close_idle()
+                self.targets = self._all_targets()
         due = [t for t in self.targets if t.read_version is not None and now - t.read_at >= self.refresh_s]
         for t in due:
             t.read_at = now
@@ -140,6 +169,7 @@ class PoolDispatcher:
         return max(free, key=lambda x: x[:2])[2] if free else None
 
     async def acquire(self, n: int) -> PoolTarget:
+        waiting_since = time.monotonic()
         while True:
             await self._refresh()
             async with self._changed:
@@ -147,10 +177,32 @@ class PoolDispatcher:
                 if target is not None:
                     target.in_flight += n
                     return target
+                self._say_waiting(waiting_since)
                 try:  # woken by a release, or re-checked after wait_s for pools that caught up
                     await asyncio.wait_for(self._changed.wait(), self.wait_s)
                 except TimeoutError:
                     pass
+
+    def _say_waiting(self, since: float) -> None:
+        """Once a minute while no pool qualifies at all (busy pools do not count: that is only a full queue)."""
+        now = time.monotonic()
+        if any(self.qualifies(t, now) for t in self.targets) or now - since < self.wait_log_s:
+            return
+        if self._wait_logged is not None and now - self._wait_logged < self.wait_log_s:
+            return
+        self._wait_logged = now
+        log.warning("rollout: waiting %.0f s for a pool serving v%s or newer; %s", now - since, self.min_version,
+                    "; ".join(self.why_not(t, now) for t in self.targets) or "no pool is registered")  # fmt: skip
+
+    def why_not(self, t: PoolTarget, now: float) -> str:
+        """Why pool ``t`` takes no group now, in a few words."""
+        if t.draining:
+            return f"{t.name} draining"
+        if t.silent:
+            return f"{t.name} silent (no heartbeat)"
+        if now < t.benched_until:
+            return f"{t.name} benched after a failure"
+        return f"{t.name} serves v{t.version}"
 
     def try_acquire_local(self, n: int) -> PoolTarget | None:
         """Room for ``n`` samples on the run's own engines now, or None (never waits)."""
@@ -167,6 +219,9 @@ class PoolDispatcher:
 
     def bench(self, target: PoolTarget, reason: str) -> None:
         target.benched_until = time.monotonic() + self.bench_s
+        url = getattr(target.client, "router_url", None)
+        if url:  # a URL may carry credentials: the pool's name stands for it
+            reason = reason.replace(url, f"pool {target.name}")
         log.warning("pool %s failed (%s); no new groups for %.0f s", target.name, reason, self.bench_s)
 
     # --- running a group --------------------------------------------------------------------------------------
@@ -194,6 +249,15 @@ class PoolDispatcher:
                     out = await self._leased(target, n, generate), target
                 else:
                     out = await self._hedged(target, n, generate, done, name)
+            except WeightVersionRefused as exc:  # the pool's engines serve another version than it reported
+                if target.local:
+                    raise
+                target.version = exc.serving
+                target.benched_until = time.monotonic() + self.refresh_s  # until the registry is read again
+                log.info("%s: pool %s serves v%s, the step needs v%s or newer: the group goes elsewhere",
+                         name, target.name, exc.serving, exc.min_version)  # fmt: skip
+                self.waiting += 1
+                continue
             except EngineCallError as exc:
                 if target.local:
                     raise

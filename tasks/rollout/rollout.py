@@ -12,7 +12,9 @@
   that serve a fresh enough weight version. A remote pool's requests cannot be aborted through its router, so
   once the step has enough groups they are dropped on our side and stored as aborted; a remote pool that
   fails a request is benched and its group goes elsewhere; a slow one is hedged on the run's own engines.
-  Rows record the pool and the versions that made them.
+  Pools of the pool registry join and leave during the step (tasks/rollout/pool_directory.py). Every request
+  names the oldest version it may be sampled at (``min_weight_version``): an engine serving an older one refuses
+  it, and the group goes to a pool that is current. Rows record the pool and the versions that made them.
 
 `Rollout` holds one step's rollout: its fields are what the groups share while they run (the count of finished
 groups, the event that cuts the rest short), its methods one group, one pool's samples of it, one sample, and
@@ -43,6 +45,7 @@ from sluiceway.storage.trajectories import (
 from sluiceway.tasks.rollout.dispatch import LOCAL, HedgePolicy, PoolDispatcher, PoolTarget, RolloutClient
 from sluiceway.tasks.rollout.generation import Generation, GenerationDefaults
 from sluiceway.tasks.rollout.multiturn import GenerateContext
+from sluiceway.tasks.rollout.pool_directory import PoolDirectory
 from sluiceway.tasks.rollout.writer import GroupWriter
 
 
@@ -229,15 +232,16 @@ class _Aborted(GenerationDefaults):
 class Rollout:
     """One step's rollout: the planned groups the table does not hold yet, until `groups_needed` have finished.
 
-    `client` reaches the run's own engines; `remote_pools` take groups too while they serve `min_version` or
-    newer (tasks/rollout/dispatch.py picks the pool, benches a failing one and hedges a slow one).
+    `client` reaches the run's own engines (None: the run has none); `remote_pools` and the pools of
+    `pool_directory` take groups too while they serve `min_version` or newer (tasks/rollout/dispatch.py picks
+    the pool, benches a failing one and hedges a slow one).
     `on_progress(finished, needed)` is called as groups finish (a console progress bar, say).
     """
 
     def __init__(
         self,
         *,
-        client: RolloutClient,
+        client: RolloutClient | None,
         store,
         run_id: str,
         step: int,
@@ -250,13 +254,14 @@ class Rollout:
         remote_pools: list[PoolTarget] = (),
         min_version: int | None = None,
         hedge: HedgePolicy | None = None,  # None: dispatch.py's defaults
+        pool_directory: PoolDirectory | None = None,
     ) -> None:
         self.client, self.store, self.run_id, self.step = client, store, run_id, step
         self.work, self.s, self.decode = work, settings, decode
         self.group_filter, self.engine, self.on_progress = group_filter, engine, on_progress
         self.min_version = min_version
-        local = PoolTarget(LOCAL, client, settings.max_concurrency, local=True)
-        self.dispatcher = PoolDispatcher([local, *remote_pools], min_version, hedge=hedge)
+        local = [PoolTarget(LOCAL, client, settings.max_concurrency, local=True)] if client is not None else []
+        self.dispatcher = PoolDispatcher([*local, *remote_pools], min_version, hedge=hedge, directory=pool_directory)
         self.writer = GroupWriter(store)
         # What the groups share while they run:
         self.enough = asyncio.Event()  # the step has `groups_needed` finished groups: the rest are cut short
@@ -289,7 +294,7 @@ class Rollout:
         results, target = await self.dispatcher.run(
             self.s.n_samples, lambda target: self.generate(w, target), self.enough, name=f"group {w.group_id}"
         )
-        where = self.engine if target.local else target.client.router_url
+        where = self.engine if target.local else "router"  # a remote pool's router; its name is in `pool`
         rows = [_row(self.run_id, self.step, w, i, r, self.decode, self.s, where, target.name)
                 for i, r in enumerate(results)]  # fmt: skip
         await self.judge(rows, results)
@@ -316,12 +321,14 @@ class Rollout:
         if params["max_new_tokens"] <= 0:  # nothing left to generate: the partial is already full length
             return _Aborted(finish_reason="length", weight_version=part.weight_versions[-1])
         rid, key = request_id(self.run_id, self.step, w.group_id, i), group_key(self.run_id, self.step, w.group_id)
+        pin = {} if self.min_version is None else {"min_weight_version": self.min_version}
         if s.custom_generate is not None:
             ctx = GenerateContext(target.client, s.tokenizer, rid, s.max_new_tokens, routing_key=key,
-                                  max_prompt_len=s.max_prompt_len)  # fmt: skip
+                                  max_prompt_len=s.max_prompt_len, **pin)  # fmt: skip
             call = s.custom_generate(ctx, w.prompt, params)
         else:
-            call = target.client.generate(w.prompt.token_ids + part.token_ids, params, rid=rid, routing_key=key)
+            ids = w.prompt.token_ids + part.token_ids
+            call = target.client.generate(ids, params, rid=rid, routing_key=key, **pin)
         res = await call if target.local else await _unless(self.enough, call)
         if res is None:  # the step had enough groups first; the remote request is dropped, not waited for
             return _Aborted(weight_version=target.version or 0)
@@ -352,7 +359,8 @@ class Rollout:
             self.on_progress(self.finished, self.s.groups_needed)
         if self.finished >= self.s.groups_needed and not self.enough.is_set():
             self.enough.set()
-            await self.client.abort_all()  # the engines return what they have for the rest
+            if self.client is not None:
+                await self.client.abort_all()  # the engines return what they have for the rest
 
 
 async def run_rollout(**kwargs) -> RolloutResult:

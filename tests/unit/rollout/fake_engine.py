@@ -35,6 +35,7 @@ class Call:
     params: dict
     routing_key: str | None
     outcome: str = "running"  # answered | aborted | cancelled | failed | refused
+    min_weight_version: int | None = None
 
 
 @dataclass
@@ -43,6 +44,7 @@ class FakeEngine:
     script: Callable[[str], Reply] | None = None
     version: int = 0  # the weight version the answers report
     dead: bool = False
+    enforces_pin: bool = True  # False: as an SGLang engine, which ignores min/max_weight_version
     calls: list[Call] = field(default_factory=list)
     aborts: int = 0
 
@@ -64,14 +66,15 @@ class FakeEngine:
         min_weight_version: int | None = None,
         max_weight_version: int | None = None,
     ) -> GenerateResult:
-        call = Call(rid, list(input_ids), dict(sampling_params), routing_key)
+        call = Call(rid, list(input_ids), dict(sampling_params), routing_key, min_weight_version=min_weight_version)
         self.calls.append(call)
         start = time.monotonic()
         if self.dead:
             call.outcome = "failed"
             raise EngineCallError(f"rid {rid}: {self.router_url}/generate failed 5 times; last: ConnectError")
         lo, hi = min_weight_version, max_weight_version
-        if (lo is not None and self.version < lo) or (hi is not None and self.version > hi):
+        outside = (lo is not None and self.version < lo) or (hi is not None and self.version > hi)
+        if self.enforces_pin and outside:
             call.outcome = "refused"  # as the embedded engine: before any token, a 409 (WeightVersionRefused)
             raise WeightVersionRefused(f"rid {rid}: refused, serving {self.version}", self.version, lo, hi)
         reply = self.script(rid) if self.script else Reply()

@@ -191,7 +191,7 @@ def test_a_dead_remote_pool_is_benched_and_its_group_goes_elsewhere(store, caplo
     rows = read_trajectories(store, "r", 0).to_pylist()
     assert len(rows) == 12 and {r["status"] for r in rows} == {"completed"}
     assert {r["pool"] for r in rows} == {"local", "east"}, [(r["group_id"], r["pool"]) for r in rows]
-    assert {r["engine"] for r in rows if r["pool"] == "east"} == {east.router_url}
+    assert {r["engine"] for r in rows if r["pool"] == "east"} == {"router"}  # never a pool URL (credentials)
     assert {r["engine"] for r in rows if r["pool"] == "local"} == {"router"}
     assert len({sample_of(c.rid)[0] for c in dead.calls}) == 1, dead.calls  # benched: no second group
 
@@ -232,10 +232,27 @@ def test_a_remote_pool_s_requests_are_dropped_once_the_step_has_enough(store):
     assert all(r["status"] == "aborted" and r["pool"] == "far" and r["weight_version"] == 3 for r in far_rows)
 
 
-def test_a_pool_serving_an_older_version_than_it_reported_is_filtered_as_stale(store):
+def test_a_pool_serving_an_older_version_than_it_reported_refuses_the_pinned_requests(store):
+    # Every request names the oldest version it may be sampled at: the pool's engine refuses, the group goes
+    # to a pool that is current, and nothing stale is generated.
     s = settings(groups_needed=2, groups_submitted=2, max_concurrency=2)
     local = FakeEngine("local", script=lambda rid: Reply(delay_s=0.01), version=5)
     behind = FakeEngine("behind", script=lambda rid: Reply(delay_s=0.01), version=4)  # reports 5, serves 4
+    work = plan_step(store, "r", 0, prompts(2), s, [])
+    result = asyncio.run(
+        rollout(local, store, 0, work, s, remote_pools=[PoolTarget("behind", behind, 2, version=5)], min_version=5)
+    )
+    rows = read_trajectories(store, "r", 0).to_pylist()
+    assert {r["pool"] for r in rows} == {"local"} and result.groups_completed == 2
+    assert behind.calls and {c.outcome for c in behind.calls} == {"refused"}
+    assert all(c.min_weight_version == 5 for c in behind.calls + local.calls)
+
+
+def test_a_pool_that_ignores_the_pin_and_serves_an_older_version_is_filtered_as_stale(store):
+    # SGLang engines do not enforce the pin: the version in each answer is still checked after the fact.
+    s = settings(groups_needed=2, groups_submitted=2, max_concurrency=2)
+    local = FakeEngine("local", script=lambda rid: Reply(delay_s=0.01), version=5)
+    behind = FakeEngine("behind", script=lambda rid: Reply(delay_s=0.01), version=4, enforces_pin=False)
     work = plan_step(store, "r", 0, prompts(2), s, [])
     result = asyncio.run(
         rollout(local, store, 0, work, s, remote_pools=[PoolTarget("behind", behind, 2, version=5)], min_version=5)
