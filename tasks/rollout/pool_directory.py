@@ -5,9 +5,10 @@ it at every refresh, during each step's rollout, and offers groups to the pools 
 
 - a pool that registers *joins*: it gets groups as soon as the version it serves is fresh enough for the step;
 - a *draining* pool keeps the groups it has and gets no new ones; once drained it deregisters and *leaves*;
-- a pool whose heartbeat (its record's ``beat``) has not moved for ``silent_beats`` heartbeats on the run's
-  clock is *silent*: no new groups (benched) until it beats again; after ``drop_after_s`` it is *dropped*;
-- a record last written longer than ``drop_after_s`` ago (the writer's clock) is a pool that died without
+- a pool whose heartbeat (its record's ``beat``) has not moved for ``silent_beats`` of its heartbeat periods
+  (``heartbeat_s``) on the run's clock is *silent*: no new groups (benched) until it beats again; after
+  ``drop_beats`` periods it is *dropped*;
+- a record last written longer than ``drop_beats`` periods ago (the writer's clock) is a pool that died without
   deregistering: ignored from the start.
 
 Pools are named in log lines, never by URL (a URL may carry credentials), and the rows they make record the
@@ -42,14 +43,14 @@ class PoolDirectory:
         default_capacity: int,
         *,
         silent_beats: float = 3.0,
-        drop_after_s: float = 300.0,
+        drop_beats: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.registries = registries
         self.make_client = make_client  # called on the loop that generates (an async client belongs to it)
         self.default_capacity = default_capacity
-        self.silent_beats, self.drop_after_s = silent_beats, drop_after_s
+        self.silent_beats, self.drop_beats = silent_beats, drop_beats
         self.clock, self.wall_clock = clock, wall_clock
         self.targets: dict[str, PoolTarget] = {}
         self.retiring: list[PoolTarget] = []  # left or dropped: their clients close once no group runs there
@@ -73,7 +74,7 @@ class PoolDirectory:
             seen, r = self._seen[name], records.get(name)
             if r is None:
                 log.info("pool %s left (deregistered)", name)
-            elif now - seen.since > self.drop_after_s:
+            elif now - seen.since > self.drop_beats * r.heartbeat_s:
                 log.warning("pool %s dropped: no heartbeat for %.0f s", name, now - seen.since)
                 self._dropped[name] = r.beat  # not to rejoin on this same record; a new beat brings it back
             elif r.url != seen.url:
@@ -103,7 +104,7 @@ class PoolDirectory:
             if r.url is None or r.state == DRAINING or self._dropped.get(name) == r.beat:
                 return  # nothing to send it, on its way out, or dropped and silent since
             age = None if r.updated_unix is None else self.wall_clock() - r.updated_unix
-            if age is not None and age > self.drop_after_s:
+            if age is not None and age > self.drop_beats * r.heartbeat_s:
                 if name not in self._ignored:
                     self._ignored.add(name)
                     log.info("pool %s: its record is %.0f s old (a pool that did not deregister): ignored", name, age)

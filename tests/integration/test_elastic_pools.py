@@ -1,0 +1,171 @@
+"""Inference pools that join and leave a live run through the pool registry (issue 34).
+
+A real `sluiceway run` on tiny-llama (fully-async, max_staleness 1, its own engine, `--rollout-pools auto`) and
+real pools, each `sluiceway pools up` in its own process (router, one engine, agent), registering beside the
+run's weight store. Pool A joins at step 3, pool B at step 5 (the test holds the run's generation while each one
+starts: tests/data/gated_generate.py), A drains at step 7 (`sluiceway pools drain A`), B is SIGKILLed at step 8.
+Every step's groups are stored exactly once and trained once, no trained token is staler than the limit, the
+metrics count each pool's samples per step, and the run finishes. A second run has no engines of its own and
+finishes on one pool alone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import yaml
+from cli_run import BATCH, N, cli_args, run_cli
+from paths import DATA
+
+from sluiceway.flows.pools import PoolsFile, PoolSpec, local_pools
+from sluiceway.models.zoo import resolve_checkpoint
+from sluiceway.storage.metrics import metrics_frame
+from sluiceway.storage.object_store import ObjectStore
+from sluiceway.storage.trajectories import read_trajectories
+from sluiceway.storage.weights import WeightStore
+from sluiceway.storage.weights.pool_registry import PoolRegistry
+
+GATED = f"{DATA / 'gated_generate.py'}:generate"
+HEARTBEAT_S = 1.0  # the pools' heartbeat: silent after 3, dropped after 10 (tasks/rollout/pool_directory.py)
+
+
+def _pool_yaml(path: Path, name: str, model: Path, weights: Path) -> Path:
+    spec = {"name": name, "region": f"test-{name}", "model": str(model), "num_engines": 1, "capacity": N,
+            "weights_uri": str(weights), "poll_interval_s": 0.3, "heartbeat_s": HEARTBEAT_S}  # fmt: skip
+    path.write_text(yaml.safe_dump({"pools": [spec]}))
+    return path
+
+
+def _start_pool(tmp: Path, name: str, model: Path, weights: Path) -> subprocess.Popen:
+    cfg = _pool_yaml(tmp / f"{name}.yaml", name, model, weights)
+    log = open(tmp / f"pool-{name}.log", "wb")  # noqa: SIM115 - kept open for the process's life
+    cmd = [sys.executable, "-m", "sluiceway.flows.cli", "pools", "up", str(cfg), "--work-dir", str(tmp / "pools")]
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)  # fmt: skip
+
+
+def _wait(what: str, cond, run: subprocess.Popen, timeout_s: float = 300.0, tmp: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if run.poll() is not None:
+            raise AssertionError(f"the run ended ({run.returncode}) while waiting for {what}")
+        if time.monotonic() > deadline:
+            logs = "".join(p.read_text(errors="replace")[-2000:] for p in (tmp or Path()).glob("*.log"))
+            raise AssertionError(f"timed out waiting for {what}\n{logs}")
+        time.sleep(0.05)
+
+
+def test_pools_join_drain_and_vanish_during_a_run(tmp_path):
+    cache, run_dir, weights = tmp_path / "cache", tmp_path / "run", tmp_path / "weight_store"
+    model = resolve_checkpoint("tiny-llama", cache_dir=cache)
+    wstore = WeightStore(ObjectStore.from_uri(str(weights)))
+    registry = PoolRegistry(wstore)
+    gate = tmp_path / "hold"
+    steps = 10
+    env = dict(os.environ, SLUICEWAY_CACHE=str(cache), SLUICEWAY_TEST_PACE_S="1.0", SLUICEWAY_TEST_GATE=str(gate))
+    args = cli_args(
+        run_dir, "--num-rollout", str(steps), "--mode", "fully-async", "--max-staleness", "1",
+        "--rollout-max-concurrency", str(N), "--update-weight-mode", "delta", "--weights-uri", str(weights),
+        "--rollout-pools", "auto", "--custom-generate-function-path", GATED,
+    )  # fmt: skip
+    run_log = tmp_path / "run.log"
+    pools: dict[str, subprocess.Popen] = {}
+    with open(run_log, "wb") as log:
+        run = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    newest = lambda: wstore.newest() or 0  # noqa: E731 - the trainer's steps so far (version k after step k)
+
+    def serving(name: str, version: int) -> bool:
+        r = registry.records().get(name)
+        return r is not None and r.serving is not None and r.serving >= version
+
+    def join(name: str, at_step: int) -> None:
+        _wait(f"step {at_step}", lambda: newest() >= at_step - 1, run, tmp=tmp_path)
+        gate.touch()  # the run generates nothing while the pool starts: it joins at this step
+        pools[name] = _start_pool(tmp_path, name, model, weights)
+        _wait(f"pool {name} serving v{newest()}", lambda: serving(name, newest()), run, tmp=tmp_path)
+        gate.unlink()
+
+    try:
+        join("A", 3)
+        join("B", 5)
+        _wait("step 7", lambda: newest() >= 6, run, tmp=tmp_path)
+        drain = subprocess.run([sys.executable, "-m", "sluiceway.flows.cli", "pools", "drain", "A", "--weights-uri",
+                                str(weights)], capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert drain.returncode == 0, drain.stderr
+        _wait("pool A to deregister", lambda: "A" not in registry.records(), run, timeout_s=120, tmp=tmp_path)
+        a_left = time.time()
+        assert pools["A"].wait(timeout=60) == 0  # its only pool left: `pools up` ends by itself
+        said = lambda text: text in run_log.read_text(errors="replace")  # noqa: E731
+        _wait("the run to see A leave", lambda: said("pool A left"), run, timeout_s=60, tmp=tmp_path)
+        _wait("step 8", lambda: newest() >= 7, run, tmp=tmp_path)
+        gate.touch()  # B's groups in flight wait here, then fail: B is gone
+        os.killpg(pools["B"].pid, signal.SIGKILL)
+        b_killed = time.time()
+        _wait("the run to see B fall silent", lambda: said("pool B: no heartbeat"), run, timeout_s=60, tmp=tmp_path)
+        gate.unlink()
+        assert run.wait(timeout=600) == 0, run_log.read_text(errors="replace")[-5000:]
+    finally:
+        gate.unlink(missing_ok=True)
+        for p in [run, *pools.values()]:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL) if p is not run else p.kill()
+                p.wait(timeout=30)
+    out = run_log.read_text(errors="replace")
+
+    rows = read_trajectories(ObjectStore.from_uri(str(run_dir / "tables")), "run").to_pylist()
+    # Stored exactly once: one row per (step, group, sample), each stored group whole.
+    keys = Counter((r["step"], r["group_id"], r["sample_index"]) for r in rows)
+    assert max(keys.values()) == 1
+    groups = Counter((r["step"], r["group_id"]) for r in rows)
+    assert set(groups.values()) == {N}
+    trained = [r for r in rows if r["status"] != "aborted" and r["filter_reason"] is None]
+    for k in range(steps):  # every step trained a full batch
+        assert sum(r["step"] == k for r in trained) == BATCH * N, k
+    assert all(r["step"] - min(r["weight_versions"]) <= 1 for r in trained)  # max_staleness 1
+    by_pool = Counter(r["pool"] for r in trained)
+    assert by_pool["A"] > 0 and by_pool["B"] > 0 and by_pool["local"] > 0, by_pool
+    assert min(r["step"] for r in rows if r["pool"] == "A") >= 2  # joined at step 3 (fully-async: one ahead)
+    assert min(r["step"] for r in rows if r["pool"] == "B") >= 4
+    assert all(r["created_at"].timestamp() <= a_left for r in rows if r["pool"] == "A")  # drained, then left
+    assert all(r["created_at"].timestamp() <= b_killed for r in rows if r["pool"] == "B")
+    assert {r["engine"] for r in rows if r["pool"] in ("A", "B")} == {"router"}  # no pool URL in the table
+
+    # What the run said: joins, the drain, B's silence; never a pool's URL.
+    for line in ("pool A (test-A) joined", "pool B (test-B) joined", "pool A draining", "pool A left",
+                 "pool B: no heartbeat"):  # fmt: skip
+        assert line in out, line
+    assert "127.0.0.1" not in "\n".join(ln for ln in out.splitlines() if "pool" in ln)
+
+    m = metrics_frame(ObjectStore.from_uri(str(run_dir / "tables")), "run")  # index: step
+    for name in ("A", "B"):
+        col = f"rollout/pool/{name}/samples"
+        assert m[col].fillna(0).sum() == by_pool[name]
+        per_step = Counter(r["step"] for r in trained if r["pool"] == name)
+        assert {k: int(v) for k, v in m[col].dropna().items() if v} == dict(per_step)
+
+
+def test_a_run_with_no_engines_of_its_own_finishes_on_a_pool(tmp_path):
+    cache, run_dir, weights = tmp_path / "cache", tmp_path / "run", tmp_path / "weight_store"
+    model = resolve_checkpoint("tiny-llama", cache_dir=cache)
+    spec = PoolsFile(pools=[PoolSpec(name="only", model=str(model), num_engines=1, weights_uri=str(weights),
+                                     poll_interval_s=0.2, heartbeat_s=HEARTBEAT_S)])  # fmt: skip
+    steps = 3
+    with local_pools(spec, tmp_path / "pools"):
+        proc = run_cli(
+            run_dir, cache, "--num-rollout", str(steps), "--rollout-num-engines", "0", "--rollout-pools", "auto",
+            "--update-weight-mode", "delta", "--weights-uri", str(weights),
+        )  # fmt: skip
+    rows = read_trajectories(ObjectStore.from_uri(str(run_dir / "tables")), "run").to_pylist()
+    trained = [r for r in rows if r["status"] != "aborted" and r["filter_reason"] is None]
+    assert {r["pool"] for r in rows} == {"only"}
+    for k in range(steps):  # sync mode: step k sampled at version k, which the pool had to fetch first
+        assert sum(r["step"] == k for r in trained) == BATCH * N
+        assert {r["weight_version"] for r in trained if r["step"] == k} == {k}
+    assert "pool only (local) joined" in proc.stderr
+    assert not (run_dir / "logs" / "router.log").exists()  # no router, no engine of its own
