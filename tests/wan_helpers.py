@@ -112,17 +112,29 @@ def remote_pool(
     reset_fraction: float = 0.0,
     engine_args: list[str] | None = None,
     startup_timeout_s: float = 300.0,
+    router_port: int | None = None,
+    capacity: int | None = None,
+    heartbeat_s: float | None = None,
 ) -> Iterator[RemotePool]:
     """`sluiceway pools up` with one pool inside ``link``'s namespace; stopped (and its proxy) on exit.
 
     ``store_env``: the AWS_* the pool's agent uses (its endpoint the store proxy's URL on the home end).
-    ``delay_s``/``reset_fraction``: the router proxy's, for the run's requests to the pool."""
+    ``delay_s``/``reset_fraction``: the router proxy's, for the run's requests to the pool.
+    ``router_port``: the router listens there, and the router proxy starts before the pool, so the pool registers
+    the proxy's URL (what a run with `--rollout-pools auto` then uses); ``capacity``/``heartbeat_s`` go into its
+    record."""
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     pools_file = work_dir / "pools.yaml"
     pool = {"name": name, "region": f"netns:{link.name}", "model": model, "num_engines": num_engines,
             "weights_uri": weights_uri, "poll_interval_s": poll_interval_s,
             "engine_args": engine_args or []}  # fmt: skip
+    proxy = None
+    if router_port is not None:
+        proxy = DelayProxy((link.remote_ip, 0), ("127.0.0.1", router_port), delay_s=delay_s,
+                           reset_fraction=reset_fraction, listen_ns=link.name, target_ns=link.name).start()  # fmt: skip
+        pool.update(router_port=router_port, url=proxy.url)
+    pool.update({k: v for k, v in (("capacity", capacity), ("heartbeat_s", heartbeat_s)) if v is not None})
     pools_file.write_text(yaml.safe_dump({"pools": [pool]}))
     log_path = work_dir / "pools.log"
     env = dict(os.environ, **store_env)
@@ -142,7 +154,6 @@ def remote_pool(
                 found.set()
 
     threading.Thread(target=read, daemon=True).start()
-    proxy = None
     try:
         deadline = time.monotonic() + startup_timeout_s
         while not found.wait(0.2):
@@ -151,9 +162,10 @@ def remote_pool(
                 tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
                 raise RuntimeError(f"remote pool {why} before serving:\n{tail}")
         m = next(m for m in map(_POOL_LINE.match, lines) if m)
-        router_port = int(m.group(3))
-        proxy = DelayProxy((link.remote_ip, 0), ("127.0.0.1", router_port), delay_s=delay_s,
-                           reset_fraction=reset_fraction, listen_ns=link.name, target_ns=link.name).start()  # fmt: skip
+        if proxy is None:
+            proxy = DelayProxy((link.remote_ip, 0), ("127.0.0.1", int(m.group(3))), delay_s=delay_s,
+                               reset_fraction=reset_fraction, listen_ns=link.name,
+                               target_ns=link.name).start()  # fmt: skip
         yield RemotePool(name, link, proxy.url, m.group(2), work_dir / name / "agent" / "status.json", proc,
                          log_path, proxy, lines)  # fmt: skip
     finally:
