@@ -88,6 +88,8 @@ class PoolAgent:
         self.poll_interval_s = poll_interval_s
         self.heartbeat_s = heartbeat_s
         self._reported: tuple[dict, float] | None = None  # last status sent to the store, and when
+        self._last: dict | None = None  # the last status, which the heartbeat thread sends again
+        self._report_lock = threading.Lock()
         self.error: str | None = None
         self.engines: dict[str, int | None] = {}
         self._http = httpx.Client(timeout=load_timeout_s, trust_env=False)  # loopback/LAN engines: never a proxy
@@ -171,11 +173,12 @@ class PoolAgent:
         self._deregister()
 
     def _deregister(self) -> None:
+        with self._report_lock:
+            self.state = "left"  # from now on nothing writes the record again
         try:
             self.registry.remove(self.name)
         except OSError as exc:  # runs then see the heartbeat stop, which ends in the same place
             log.warning("pool %s: could not deregister from %s: %s", self.name, self.wstore, exc)
-        self.state = "left"
         self._write_local_status(self.status())
         log.info("pool %s: drained and deregistered", self.name)
         self.left.set()
@@ -277,24 +280,38 @@ class PoolAgent:
 
     def _report(self, status: dict, force: bool = False) -> None:
         """Send the status to the registry when it changed, else once per heartbeat (cheap on S3)."""
-        now = time.monotonic()
-        same = {k: v for k, v in status.items() if k not in ("updated", "updated_unix", "beat")}
-        fresh = self._reported is not None and now - self._reported[1] < self.heartbeat_s
-        if not force and fresh and self._reported[0] == same:
-            return
-        self._beat += 1
-        try:
-            self.registry.write(status | {"beat": self._beat})
-        except OSError as exc:  # the store is unreachable for now: the pool still serves; next poll tries again
-            log.warning("pool %s: could not report status to %s: %s", self.name, self.wstore, exc)
-            return
-        self._reported = (same, now)
+        with self._report_lock:  # the poll loop and the heartbeat thread
+            if self.state == "left":  # deregistered: a late beat must not register the pool again
+                return
+            self._last = status
+            now = time.monotonic()
+            same = {k: v for k, v in status.items() if k not in ("updated", "updated_unix", "beat")}
+            fresh = self._reported is not None and now - self._reported[1] < self.heartbeat_s
+            if not force and fresh and self._reported[0] == same:
+                return
+            self._beat += 1
+            try:
+                self.registry.write(status | {"beat": self._beat, "updated_unix": time.time()})
+            except OSError as exc:  # the store is unreachable for now: the pool still serves; next poll tries again
+                log.warning("pool %s: could not report status to %s: %s", self.name, self.wstore, exc)
+                return
+            self._reported = (same, now)
+
+    def _beat_loop(self) -> None:
+        """The heartbeat on its own thread: a poll that downloads a version for minutes must not look like death."""
+        while not self._stop.wait(self.heartbeat_s / 2):
+            if self._last is not None:
+                try:
+                    self._report(self._last)
+                except Exception:  # noqa: BLE001 - the next beat tries again
+                    log.exception("pool %s: heartbeat failed", self.name)
 
     # -- background polling ------------------------------------------------------------------------------------
 
     def start(self) -> PoolAgent:
         self._thread = threading.Thread(target=self._loop, name=f"pool-agent-{self.name}", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._beat_loop, name=f"pool-beat-{self.name}", daemon=True).start()
         return self
 
     def _loop(self) -> None:

@@ -88,6 +88,7 @@ class PoolTarget:
     benched_until: float = 0.0
     draining: bool = False  # leaving: keeps its groups, takes no new ones (a registry pool)
     silent: bool = False  # its heartbeat stopped (a registry pool)
+    gone: bool = False  # left the registry, or dropped from it
     read_at: float = field(default=-1e9, repr=False)
 
 
@@ -296,9 +297,13 @@ class PoolDispatcher:
             limit = self.hedge_after()
             poll = self.hedge.poll_s
             wait_s = poll if limit is None else max(poll / 4, t0 + limit - time.monotonic())
-            await asyncio.wait({remote}, timeout=wait_s)
+            await asyncio.wait({remote}, timeout=min(wait_s, 1.0))  # at least once a second: is the pool alive?
             if remote.done():
                 return remote.result(), target
+            if target.silent or target.gone:  # a partitioned pool's requests would wait for the read timeout
+                remote.cancel()
+                await asyncio.gather(remote, return_exceptions=True)
+                raise EngineCallError(f"pool {target.name} {'left' if target.gone else 'fell silent'} with the group")
             finished = done is not None and done.is_set()
             if limit is None or time.monotonic() - t0 < limit or self.waiting or finished:
                 continue

@@ -81,7 +81,9 @@ class PoolDirectory:
                 log.info("pool %s moved to a new address: its groups follow", name)  # a new pod, say
             else:
                 continue
-            self.retiring.append(self.targets.pop(name))
+            t = self.targets.pop(name)
+            t.gone = True  # a group still running there is generated elsewhere (dispatch.py)
+            self.retiring.append(t)
             del self._seen[name]
         for name, r in records.items():
             self._update(name, r, now)

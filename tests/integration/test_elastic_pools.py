@@ -169,3 +169,24 @@ def test_a_run_with_no_engines_of_its_own_finishes_on_a_pool(tmp_path):
         assert {r["weight_version"] for r in trained if r["step"] == k} == {k}
     assert "pool only (local) joined" in proc.stderr
     assert not (run_dir / "logs" / "router.log").exists()  # no router, no engine of its own
+
+
+def test_sigterm_drains_a_pool_then_it_deregisters_and_exits(tmp_path):
+    # What Kubernetes does when it scales a Deployment down (docs/deploy.md): SIGTERM to `pools up`.
+    model = resolve_checkpoint("tiny-llama", cache_dir=tmp_path / "cache")
+    weights = tmp_path / "weight_store"
+    registry = PoolRegistry(WeightStore(ObjectStore.from_uri(str(weights))))
+    pool = _start_pool(tmp_path, "east", model, weights)
+    try:
+        deadline = time.monotonic() + 300
+        while "east" not in registry.records():
+            assert pool.poll() is None and time.monotonic() < deadline, (tmp_path / "pool-east.log").read_text()
+            time.sleep(0.05)
+        assert registry.records()["east"].state == "serving"
+        os.killpg(pool.pid, signal.SIGTERM)
+        assert pool.wait(timeout=120) == 0
+    finally:
+        if pool.poll() is None:
+            os.killpg(pool.pid, signal.SIGKILL)
+    log = (tmp_path / "pool-east.log").read_text()
+    assert registry.records() == {} and "draining pools east" in log and "pool east left" in log

@@ -129,8 +129,13 @@ def test_pool_behind_a_cut_link_keeps_serving_and_catches_up(s3_server, link, tm
             assert served_through_link(pool.url) == "2"
             assert store_proxy.stats["down"] > before
             assert pool.process.poll() is None  # the pool never went down
-        # The pool's report reached the store once the link was back (what a run elsewhere reads).
-        assert wstore.pool_status("remote")["serving"] == 2
+            # The pool's report reaches the store once the link is back (what a run elsewhere reads); when the
+            # pool stops (SIGTERM) it drains and deregisters, so this is read while it serves.
+            deadline = time.monotonic() + 60
+            while (wstore.pool_status("remote") or {}).get("serving") != 2:
+                assert time.monotonic() < deadline, wstore.pool_status("remote")
+                time.sleep(0.1)
+        assert wstore.pool_status("remote") is None  # drained and deregistered on the way out
     finally:
         store_proxy.stop()
         engines.close()

@@ -60,3 +60,31 @@ def test_published_dtype_follows_the_training_dtype(tmp_path, bf16):
     # ... and its config says so: an engine loading with dtype "auto" serves the published dtype, not fp32.
     published = json.loads(WeightStore(ObjectStore.from_uri(cfg.weights_uri)).read_file(1, "config.json"))
     assert published == ({"torch_dtype": "bfloat16"} if bf16 else {})
+
+
+def _rollout_cfg(**rollout) -> dict:
+    return {"data": {"prompt_data": "env:arithmetic"}, "rollout": rollout, "sync": {"update_weight_mode": "delta"}}
+
+
+def test_rollout_pools_take_fixed_pools_auto_and_registry_uris():
+    from sluiceway.flows.config.run import validate_for
+
+    cfg = validate_for(_rollout_cfg(rollout_pools=["auto", "east=http://h:1", "s3://replica/w"]), "run")
+    assert cfg.remote_pools == [("east", "http://h:1")]
+    assert cfg.pool_registry_uris == [cfg.weights_uri, "s3://replica/w"]
+    with pytest.raises(ValueError, match="'east' is not NAME=http://HOST:PORT, auto, or a pool registry"):
+        validate_for(_rollout_cfg(rollout_pools=["east"]), "run")
+
+
+def test_a_run_without_engines_of_its_own_needs_pools_and_no_eval():
+    from sluiceway.flows.config.run import validate_for
+
+    with pytest.raises(ValueError, match="no engines: set rollout_num_engines >= 1"):
+        validate_for(_rollout_cfg(rollout_num_engines=0), "run")
+    cfg = validate_for(_rollout_cfg(rollout_num_engines=0, rollout_pools=["auto"]), "run")
+    assert not cfg.has_own_engines
+    bad = _rollout_cfg(rollout_num_engines=0, rollout_pools=["auto"]) | {
+        "eval": {"eval_interval": 1, "eval_prompt_data": ["env:arithmetic"]}
+    }
+    with pytest.raises(ValueError, match="eval_interval needs the run's own engines"):
+        validate_for(bad, "run")
