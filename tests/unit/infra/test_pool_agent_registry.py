@@ -86,3 +86,23 @@ def test_drain_from_a_signal_and_the_timeout(tmp_path):
     time.sleep(0.15)
     a.poll_once()
     assert a.left.is_set() and "east" not in registry.records()  # deregistered anyway
+
+
+def test_pools_list_and_drain_commands(tmp_path, capsys):
+    import pytest
+
+    from sluiceway.flows.pools import drain_pool, list_pools
+    from sluiceway.infra.errors import UserError
+
+    a, registry, wstore = agent(tmp_path)
+    uri = str(tmp_path / "store")
+    list_pools(uri)
+    assert "no pool is registered" in capsys.readouterr().out
+    a.poll_once()
+    list_pools(uri)
+    out = capsys.readouterr().out
+    assert "east" in out and "serving" in out and "v2" in out and "lb:30000" not in out  # no URL
+    with pytest.raises(UserError, match="no pool named 'west' is registered"):
+        drain_pool("west", uri)
+    drain_pool("east", uri)
+    assert registry.drain_requested("east")
