@@ -10,15 +10,17 @@ delaying proxy on the pool's end (--rtt-ms / 2 each way in each proxy: an --rtt-
 pool registers that proxy's URL, so the run finds it with `--rollout-pools auto` (tests/wan_helpers.py).
 
 The run: a real `sluiceway run` on tiny-llama, `--rollout-num-engines 0 --rollout-pools auto --update-weight-mode
-delta --weights-uri s3://...` (--mode fully-async with --max-staleness 1 by default), 4 prompts x 4 samples a
+delta --weights-uri s3://...` (--mode fully-async with --max-staleness 1 by default), --prompts x 4 samples a
 step. tiny-llama on a CPU generates too fast for the number of pools to matter, so every sample first waits
 --pace-s seconds inside the run's generate function (tests/data/gated_generate.py) while it holds one of its
 pool's --capacity slots: that wait stands in for a real pool's generation time, so a pool gives at most
 capacity / pace samples/s.
 
 Part 1, for K in --pools: K pools are up and serving before the run starts; the run makes --steps steps.
-samples/s = (trained rows - 1) / (created_at of the last - created_at of the first) over the trained rows of steps
->= --skip-steps (the steady part: the first steps wait for the pools to fetch v0). Also per-pool sample counts.
+samples/s = the trained samples of the steps after --skip-steps over the time from step --skip-steps' end to the
+last step's end (a step's end: the created_at of its last trained row; the first steps wait for v0 to reach the
+pools). Also per-pool sample counts. With one group per pool (--capacity 4), --prompts 6 makes whole rounds on 1,
+2 and 3 pools; with 4 prompts a step, 3 pools gain nothing over 2 (4 groups take two rounds either way).
 
 Part 2 (join): a run starts with one pool; once the store holds version --join-at-step - 1 (the run is at step
 --join-at-step) a second pool is started. Times, from starting its `pools up` process: engines up (router and
@@ -90,7 +92,7 @@ class Setup:
                            router_port=ROUTER_PORT, capacity=a.capacity, heartbeat_s=a.heartbeat_s)  # fmt: skip
 
     def start_run(self, tag: str, uri: str, steps: int, pools: int) -> tuple[subprocess.Popen, Path, Path]:
-        from cli_run import cli_args
+        from cli_run import N, cli_args
         from paths import DATA
 
         a = self.args
@@ -100,7 +102,8 @@ class Setup:
                        "--save-interval", str(10**6), "--rollout-num-engines", "0", "--rollout-pools", "auto",
                        "--update-weight-mode", "delta", "--weights-uri", uri,
                        "--rollout-max-concurrency", str(max(a.capacity * pools, 16)),
-                       "--custom-generate-function-path", f"{DATA / 'gated_generate.py'}:generate")  # fmt: skip
+                       "--custom-generate-function-path", f"{DATA / 'gated_generate.py'}:generate",
+                       "--rollout-batch-size", str(a.prompts), "--global-batch-size", str(a.prompts * N))  # fmt: skip
         env = dict(os.environ, **self.s3.env(), SLUICEWAY_TEST_PACE_S=str(a.pace_s))
         env.pop("SLUICEWAY_TEST_GATE", None)
         log_path = self.work / f"{tag}-run.log"
@@ -229,6 +232,10 @@ def fmt(x, spec=".1f") -> str:
     return "?" if x is None else format(x, spec)
 
 
+def fmt1(step: int | None) -> str:
+    return "?" if step is None else str(step + 1)  # rows count steps from 0
+
+
 def span(j: dict, a: str, b: str) -> float | None:
     return None if j.get(a) is None or j.get(b) is None else j[b] - j[a]
 
@@ -240,14 +247,17 @@ def render(args, results: list[dict], join: dict | None, cpu: tuple[str, bool], 
     lines = [
         SECTION, "",
         f"`benchmarks/bench_elastic_pools.py --rate {args.rate} --rtt-ms {args.rtt_ms:g} --pace-s {args.pace_s:g} "
-        f"--capacity {args.capacity} --steps {args.steps} --mode {args.mode}` ({date}, load average {load} at the "
+        f"--capacity {args.capacity} --prompts {args.prompts} --steps {args.steps} --mode {args.mode}` ({date}, "
+        f"load average {load} at the "
         f"start, on {name}, {'with' if avx512 else 'without'} AVX-512, a machine shared with other work). Each pool "
         "is `sluiceway pools up` with one tiny-llama engine in its own network namespace behind its own veth pair "
         f"({args.rate} each way, {args.shaper}); it reaches the SeaweedFS weight store (and the pool registry "
         f"beside it) through a proxy adding {args.rtt_ms / 2:g} ms each way, and registers the URL of a second such "
         "proxy in front of its router, which the run uses. The run: `sluiceway run` on tiny-llama with "
         "`--rollout-num-engines 0 --rollout-pools auto --update-weight-mode delta --weights-uri s3://...` "
-        f"({mode}), 4 prompts x 4 samples a step. Every sample first waits {args.pace_s:g} s in the run's "
+        f"({mode}), {args.prompts} prompts x 4 samples a step (a multiple of the pools' capacity for every pool "
+        f"count here, so no count is left with a half-used round). Every sample first waits {args.pace_s:g} s in "
+        "the run's "
         f"generate function while it holds one of its pool's {args.capacity} slots (`capacity`): the wait stands "
         "in for a real pool's generation time (tiny-llama alone is too fast on 2 cores for the pool count to "
         f"matter), so one pool gives at most {args.capacity / args.pace_s:g} samples/s. samples/s: the trained "
@@ -282,7 +292,8 @@ def render(args, results: list[dict], join: dict | None, cpu: tuple[str, bool], 
             f"group ({fmt(span(j, 'registered_s', 'first_trained_s'))} s) is the run's next refresh of the registry, "
             "the dispatch of a group, its paced samples and their generation through the proxy; engines up to "
             f"weights held ({fmt(span(j, 'engines_up_s', 'held_s'))} s) is the version download (with the agent's "
-            f"first poll). The first trained row of p1 is of step {j['first_trained_step']}; over "
+            f"first poll). The first trained row of p1 is of step {fmt1(j['first_trained_step'])} (counted from 1, "
+            "as the run's log counts); over "
             f"the run's {j['steps']} steps p1 made {j['p1_samples']} trained samples, p0 {j['p0_samples']}.",
         ]  # fmt: skip
     return "\n".join(lines) + "\n"
@@ -294,7 +305,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="steps of each throughput run")
     ap.add_argument("--skip-steps", type=int, default=2, help="steps left out of samples/s (warm-up)")
     ap.add_argument("--pace-s", type=float, default=2.0, help="seconds each sample waits (its pool's generation)")
-    ap.add_argument("--capacity", type=int, default=4, help="samples each pool takes at once")
+    ap.add_argument("--capacity", type=int, default=4, help="samples each pool takes at once (4: one group)")
+    ap.add_argument("--prompts", type=int, default=6,
+                    help="prompts (groups of 4) a step; 6: whole rounds on 1, 2, 3 pools of a group each")  # fmt: skip
     ap.add_argument("--mode", choices=("fully-async", "one-step-off", "sync"), default="fully-async")
     ap.add_argument("--max-staleness", type=int, default=1)
     ap.add_argument("--join-steps", type=int, default=14, help="steps of the join run (0: no join run)")
@@ -309,7 +322,17 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="default: a temporary directory, removed")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--write-doc", action="store_true", help="refresh the section in docs/benchmarks.md")
+    ap.add_argument("--render", metavar="JSON", default=None,
+                    help="measure nothing: print (with --write-doc: write) the section from a --json file")  # fmt: skip
     args = ap.parse_args()
+    if args.render:
+        saved = json.loads(Path(args.render).read_text())
+        text = render(argparse.Namespace(**saved["args"]), saved["results"], saved["join"], tuple(saved["cpu"]),
+                      saved["load"], saved["date"])  # fmt: skip
+        print(text)
+        if args.write_doc:
+            write_section(text, SECTION, DOC, machine=saved["machine"])
+        return
     counts = [int(k) for k in args.pools.split(",") if k]
     n_links = max(counts + ([2] if args.join_steps > 0 else []))
 
@@ -356,9 +379,9 @@ def main() -> None:
     text = render(args, results, join, cpu, load, date)
     print(text)
     if args.json:
-        saved = {k: v for k, v in vars(args).items() if k not in ("write_doc", "json", "workdir")}
-        Path(args.json).write_text(json.dumps({"args": saved, "machine": machine_line(), "load": load, "date": date,
-                                               "results": results, "join": join}, indent=1))  # fmt: skip
+        saved = {k: v for k, v in vars(args).items() if k not in ("write_doc", "json", "workdir", "render")}
+        Path(args.json).write_text(json.dumps({"args": saved, "machine": machine_line(), "cpu": cpu, "load": load,
+                                               "date": date, "results": results, "join": join}, indent=1))  # fmt: skip
     if args.write_doc:
         write_section(text, SECTION, DOC)
 
