@@ -126,6 +126,10 @@ class PoolAgent:
                 self.registry.remove(self.name)
             except OSError as exc:
                 log.warning("pool %s: could not clear its old record in %s: %s", self.name, self.wstore, exc)
+            # Register at once, with what the engines serve now: runs and `pools list` see the pool while it
+            # downloads the newest version (minutes for a full one over a WAN), and take it once that is in.
+            self.engines = {url: self._engine_version(url) for url in self._urls()}
+            self._write_status(force=True)
         if self.state == SERVING and (self._drain.is_set() or self.registry.drain_requested(self.name)):
             self._begin_drain()
         if self.state == DRAINING:

@@ -42,18 +42,23 @@ def agent(tmp_path, **kw) -> tuple[Scripted, PoolRegistry, WeightStore]:
     return a, PoolRegistry(wstore), wstore
 
 
-def test_it_registers_and_beats(tmp_path):
+def test_it_registers_before_it_downloads_then_beats(tmp_path):
     a, registry, _ = agent(tmp_path, heartbeat_s=0.05)
     registry.request_drain("east")  # left by an earlier pool of this name: not for this one
+    seen_while_fetching = []
+    fetch = a._fetch
+    a._fetch = lambda version, held: seen_while_fetching.append(registry.records().get("east")) or fetch(version, held)
     a.poll_once()
+    (early,) = seen_while_fetching  # registered already, serving what the engine had (nothing yet)
+    assert early is not None and early.serving is None and early.beat == 1
     r = registry.records()["east"]
-    assert (r.url, r.capacity, r.region, r.state, r.serving, r.beat) == ("http://lb:30000", 16, "eu", "serving", 2, 1)
+    assert (r.url, r.capacity, r.region, r.state, r.serving, r.beat) == ("http://lb:30000", 16, "eu", "serving", 2, 2)
     assert not registry.drain_requested("east") and a.state == "serving"
     a.poll_once()
-    assert registry.records()["east"].beat == 1  # nothing changed, heartbeat not due: no write
+    assert registry.records()["east"].beat == 2  # nothing changed, heartbeat not due: no write
     time.sleep(0.06)
     a.poll_once()
-    assert registry.records()["east"].beat == 2
+    assert registry.records()["east"].beat == 3
 
 
 def test_a_drain_request_waits_for_idle_engines_then_deregisters(tmp_path):
