@@ -23,14 +23,17 @@ pools). Also per-pool sample counts. With one group per pool (--capacity 4), --p
 2 and 3 pools; with 4 prompts a step, 3 pools gain nothing over 2 (4 groups take two rounds either way).
 
 Part 2 (join): a run starts with one pool; once the store holds version --join-at-step - 1 (the run is at step
---join-at-step) a second pool is started. Times, from starting its `pools up` process: engines up (router and
-engine started, model loaded; its agent starts polling), weights held (the agent downloaded the newest version
-through the link and checked and renamed it into place: its current/manifest.json appears), registered (its
-engine loaded that version, and the agent wrote its first record: the record appears in the registry, watched
-every 0.1 s), first trained group (created_at of its first trained row: the run's refresh of the registry, the
-dispatch, the paced sample and its generation through the proxy).
+--join-at-step) a second pool is started. At its first poll the pool agent registers at once (its record, serving
+what its engines serve then: the base weights), and only then downloads the newest version, has its engine load
+it and writes the record again with the new `serving`. Times, from starting its `pools up` process: engines up
+(router and engine started, model loaded: its agent starts polling as `pools up` prints its line), registered (the
+record first appears in the registry, watched every 0.1 s), weights held (the agent downloaded the newest version
+through the link and checked and renamed it into place: its current/manifest.json appears), serving (the record's
+`serving` reaches the newest version in the store at that moment, or the version of the pool's first trained
+group if that is older: what the run needed), first trained group (created_at of its first trained row). The
+headline is registration -> first trained group (the version download included), with the parts between.
 
-    .venv/bin/python benchmarks/bench_elastic_pools.py --steps 2 --pools 1 --join-steps 0      # a quick check
+    .venv/bin/python benchmarks/bench_elastic_pools.py --steps 2 --pools 1 --join-steps 5      # a quick check
     .venv/bin/python benchmarks/bench_elastic_pools.py --write-doc
 Needs root (network namespaces, veth, tc).
 """
@@ -173,6 +176,9 @@ def measure_join(setup: Setup) -> dict:
     wstore = WeightStore(ObjectStore.from_uri(uri))
     registry = PoolRegistry(wstore)
     seen: dict[str, float] = {}  # wall-clock times (time.time(), as created_at)
+    # (time, the record's serving, the store's newest version) each time either changes, from registration on:
+    # when the pool began serving what the run needed is decided once its first trained group is known.
+    changes: list[tuple[float, int | None, int | None]] = []
     manifest = setup.work / "join-pool1" / "p1" / "agent" / "current" / "manifest.json"
     stop = threading.Event()
 
@@ -182,14 +188,18 @@ def measure_join(setup: Setup) -> dict:
                 seen["held"] = time.time()
                 with contextlib.suppress(OSError, ValueError, KeyError):
                     seen["held_version"] = json.loads(manifest.read_text())["version"]
-            if "registered" not in seen:
-                try:
-                    rec = registry.records().get("p1")
-                except Exception:  # noqa: BLE001 - a listing mid-write may fail; look again
-                    rec = None
-                if rec is not None:
-                    seen["registered"] = time.time()
+            try:
+                rec = registry.records().get("p1")
+                newest = wstore.newest()
+            except Exception:  # noqa: BLE001 - a listing mid-write may fail; look again
+                rec = None
+            now = time.time()
+            if rec is not None:
+                if "registered" not in seen:
+                    seen["registered"] = now
                     seen["registered_version"] = rec.serving
+                if not changes or changes[-1][1:] != (rec.serving, newest):
+                    changes.append((now, rec.serving, newest))
             stop.wait(0.1)
 
     with contextlib.ExitStack() as stack:
@@ -211,17 +221,31 @@ def measure_join(setup: Setup) -> dict:
         stop.set()
         watcher.join()
     rows = trained_rows(run_dir)
-    mine = sorted(r["created_at"].timestamp() for r in rows if r["pool"] == "p1")
-    first = next((r for r in sorted(rows, key=lambda r: r["created_at"]) if r["pool"] == "p1"), None)
+    mine = sorted((r for r in rows if r["pool"] == "p1"), key=lambda r: r["created_at"])
+    first = mine[0] if mine else None
+    first_version = min(first["weight_versions"] or [first["weight_version"]]) if first else None
+
+    # Serving what the run needs: the newest version in the store at that moment, or (fully-async allows a pool
+    # --max-staleness versions behind) the version its first trained group was made at, if that is older.
+    def needed(newest: int | None) -> int | None:
+        return first_version if newest is None else newest if first_version is None else min(newest, first_version)
+
+    served = next((c for c in changes if c[1] is not None and needed(c[2]) is not None and c[1] >= needed(c[2])),
+                  None)  # fmt: skip
+
+    def since_start(key: str) -> float | None:
+        return seen[key] - seen["start"] if key in seen else None
+
     out = {
         "newest_at_start": newest_at_start, "start_step": a.join_at_step,
-        "engines_up_s": seen["engines_up"] - seen["start"],
-        "held_s": seen["held"] - seen["start"] if "held" in seen else None,
-        "registered_s": seen["registered"] - seen["start"] if "registered" in seen else None,
-        "registered_version": seen.get("registered_version"),
-        "first_trained_s": mine[0] - seen["start"] if mine else None,
-        "first_trained_step": first["step"] if first else None,
-        "first_fetched": seen.get("held_version"),
+        "engines_up_s": since_start("engines_up"),
+        "registered_s": since_start("registered"), "registered_version": seen.get("registered_version"),
+        "held_s": since_start("held"), "first_fetched": seen.get("held_version"),
+        "serving_s": served[0] - seen["start"] if served else None,
+        "serving_version": served[1] if served else None, "newest_when_serving": served[2] if served else None,
+        "first_trained_s": first["created_at"].timestamp() - seen["start"] if first else None,
+        "first_trained_step": first["step"] if first else None, "first_trained_version": first_version,
+        "record_changes": [(round(t - seen["start"], 2), v, n) for t, v, n in changes[:12]],
         "p1_samples": len(mine), "p0_samples": sum(r["pool"] == "p0" for r in rows), "steps": a.join_steps,
     }  # fmt: skip
     print(json.dumps(out), flush=True)
@@ -238,6 +262,10 @@ def fmt1(step: int | None) -> str:
 
 def span(j: dict, a: str, b: str) -> float | None:
     return None if j.get(a) is None or j.get(b) is None else j[b] - j[a]
+
+
+def vfmt(version: int | None) -> str:
+    return "none" if version is None else f"v{version}"
 
 
 def render(args, results: list[dict], join: dict | None, cpu: tuple[str, bool], load: str, date: str) -> str:
@@ -277,24 +305,31 @@ def render(args, results: list[dict], join: dict | None, cpu: tuple[str, bool], 
         lines += [
             "",
             f"A pool joining a live run: the run starts with pool p0; when the store holds v{j['newest_at_start']} "
-            f"(the run at step {j['start_step']}) a second pool, p1, is started in its own namespace. From starting "
-            "its `pools up` process (seconds):", "",
-            "| engines up | weights held | registered | first trained group |",
-            "| --- | --- | --- | --- |",
-            f"| {fmt(j['engines_up_s'])} | {fmt(j['held_s'])} | {fmt(j['registered_s'])} | "
-            f"{fmt(j['first_trained_s'])} |",
+            f"(the run at step {j['start_step']}) a second pool, p1, is started in its own namespace. At its first "
+            "poll its agent registers at once (serving what its engines serve then: the base weights), then downloads "
+            "the newest version, has its engine load it and writes its record again. From starting its `pools up` "
+            "process (seconds):", "",
+            "| engines up | registered | weights held | serving | first trained group |",
+            "| --- | --- | --- | --- | --- |",
+            f"| {fmt(j['engines_up_s'])} | {fmt(j['registered_s'])} | {fmt(j.get('held_s'))} | "
+            f"{fmt(j.get('serving_s'))} | {fmt(j['first_trained_s'])} |",
             "",
-            "engines up: its router and engine started and the model loaded (then its agent starts polling); weights "
-            f"held: the agent found the newest version (v{j['first_fetched']}), downloaded it through the link "
-            "(no held copy: the last full version and the deltas after it), checked and renamed it into place; "
-            f"registered: its engine loaded that version and the agent wrote its first record (serving "
-            f"v{j['registered_version']}), seen in the registry (read every 0.1 s). So registration to first trained "
-            f"group ({fmt(span(j, 'registered_s', 'first_trained_s'))} s) is the run's next refresh of the registry, "
-            "the dispatch of a group, its paced samples and their generation through the proxy; engines up to "
-            f"weights held ({fmt(span(j, 'engines_up_s', 'held_s'))} s) is the version download (with the agent's "
-            f"first poll). The first trained row of p1 is of step {fmt1(j['first_trained_step'])} (counted from 1, "
-            "as the run's log counts); over "
-            f"the run's {j['steps']} steps p1 made {j['p1_samples']} trained samples, p0 {j['p0_samples']}.",
+            f"**Registration to first trained group: {fmt(span(j, 'registered_s', 'first_trained_s'))} s**, the "
+            f"version download included: registered to weights held {fmt(span(j, 'registered_s', 'held_s'))} s, "
+            f"to serving {fmt(span(j, 'held_s', 'serving_s'))} s more, to the first trained group "
+            f"{fmt(span(j, 'serving_s', 'first_trained_s'))} s more. engines up: its router and engine started and "
+            "the model loaded (`pools up` prints its line as its agent starts polling); registered: the agent's first "
+            f"record (serving {vfmt(j['registered_version'])}, what its engine loaded at start) seen in the registry "
+            "(read every 0.1 s); weights "
+            f"held: the agent found the newest version (v{j['first_fetched']}), downloaded it through the link (no "
+            "held copy: the last full version and the deltas after it), checked and renamed it into place; serving: "
+            f"its record says it serves {vfmt(j.get('serving_version'))} (the store's newest then: "
+            f"{vfmt(j.get('newest_when_serving'))}; its first trained group was made at "
+            f"{vfmt(j.get('first_trained_version'))}), so runs may send it groups; the rest is the run's next "
+            "refresh of the registry (every 1 s), the dispatch of a group, its paced samples and their generation "
+            f"through the proxy. The first trained row of p1 is of step {fmt1(j['first_trained_step'])} (counted "
+            f"from 1, as the run's log counts); over the run's {j['steps']} steps p1 made {j['p1_samples']} trained "
+            f"samples, p0 {j['p0_samples']}.",
         ]  # fmt: skip
     return "\n".join(lines) + "\n"
 
