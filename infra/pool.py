@@ -176,9 +176,17 @@ class EnginePool:
     def _wait_healthy(self, engines: list[EngineProcess], timeout_s: float) -> None:
         pending = list(engines)
         deadline = time.monotonic() + timeout_s
+        respawns = 0
         while pending:
             for e in list(pending):
                 if e.process is not None and e.process.poll() is not None:
+                    if respawns < 3 and e in self.engines and self._lost_port_race(e):
+                        # free_port's port was taken before the engine bound it (busy machines): a new port
+                        respawns += 1
+                        again = self._spawn(self.engines.index(e))
+                        self.engines[self.engines.index(e)] = again
+                        pending[pending.index(e)] = again
+                        continue
                     raise PoolError(
                         f"engine {e.url} exited with code {e.process.returncode} while starting; "
                         f"log {e.log_path}:\n{log_tail(e.log_path)}"
@@ -190,6 +198,10 @@ class EnginePool:
                 raise PoolError(f"engines not healthy in {timeout_s:.0f}s: {where}")
             if pending:
                 time.sleep(0.2)
+
+    def _lost_port_race(self, e: EngineProcess) -> bool:
+        """Whether the engine exited because its port was in use (uvicorn logs errno 98 and exits with 3)."""
+        return e.log_path is not None and "address already in use" in log_tail(e.log_path).lower()
 
     def check(self) -> list[str]:
         """Drop engines that died (process exited, or ``failure_threshold`` failed health checks in a row):

@@ -225,6 +225,29 @@ def test_external_engines_are_attached_not_owned(stack, tmp_path):
     assert httpx.get(f"{external}/health", timeout=10).status_code == 200  # ... and still running
 
 
+def test_an_engine_that_loses_its_port_is_started_again_on_another(model_dir, tmp_path, monkeypatch):
+    # free_port's answer can be taken by another process before the engine binds it (a busy machine): the engine
+    # exits at start ("address already in use") and the pool starts it again on a new port, not a failed run.
+    import socket
+
+    from sluiceway.infra import pool as pool_module
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    real = pool_module.free_port
+    monkeypatch.setattr(pool_module, "free_port", lambda: next(ports, None) or real())
+    env = {"SLUICEWAY_CACHE": str(model_dir.parent.parent)}
+    try:
+        with EnginePool(str(model_dir), 1, tmp_path, env=env, startup_timeout_s=120) as pool:
+            (url,) = pool.urls
+            assert url != f"http://127.0.0.1:{taken.getsockname()[1]}" and pool.check() == []
+        assert "address already in use" in (tmp_path / "engine-0.log").read_text().lower()
+    finally:
+        taken.close()
+
+
 def test_sigkill_engine_mid_rollout(stack):
     """Runs last: engine 0 dies with requests in flight; every request still completes exactly once."""
     router, pool = stack
