@@ -107,7 +107,7 @@ def test_pure_distillation_reverse_kl_falls_and_the_teacher_is_asked_once(tmp_pa
         assert len(replayed) == 2 and abs(replayed[0] - kl[0]) < 1e-3  # step 0 again, from the initial weights
 
 
-
+@pytest.mark.slow  # 34 s; each teacher's scoring against the trainer's own is checked in tests/unit/train/test_opd.py
 def test_megatron_teacher_and_a_teacher_the_run_serves_agree(tmp_path):
     """opd_type megatron (the teacher as a frozen megatron-core model in the trainer) and opd_type sglang with
     opd_teacher_load (an embedded teacher engine the run starts on loopback) score the same first samples (same
