@@ -119,6 +119,8 @@ class AgentGenerate:
             s.aborted = s.aborted or f"the agent function raised {type(e).__name__}: {str(e)[:200]}"
         finally:
             p.close(s)
+        if s.refused is not None:  # the pool serves another version than the step needs: not the agent's failure
+            raise s.refused
         return s.result()
 
 

@@ -30,6 +30,7 @@ from sluiceway.tasks.rollout.agent_api_openai import ChatCompletions, Completion
 from sluiceway.tasks.rollout.agent_api_responses import Responses
 from sluiceway.tasks.rollout.agent_render import SessionError
 from sluiceway.tasks.rollout.agent_session import DROPPED, AgentSession, ModelTurn
+from sluiceway.tasks.rollout.client import WeightVersionRefused
 from sluiceway.tasks.rollout.multiturn import GenerateContext
 
 SESSION_HEADER = "x-session-id"
@@ -180,7 +181,10 @@ class AgentProxy:
             return s, body, None
 
         def failed(s: AgentSession, e: Exception) -> str:
-            """An engine's failure ends the session: it cannot go on from a turn it does not have."""
+            """An engine's failure ends the session: it cannot go on from a turn it does not have. A pool that
+            refused the turn's pinned version is kept apart: the group is then made on another pool."""
+            if isinstance(e, WeightVersionRefused):
+                s.refused = s.refused or e
             s.aborted = s.aborted or f"the model call failed: {type(e).__name__}: {str(e)[:300]}"
             return f"the model call failed: {type(e).__name__}: {str(e)[:300]}"
 

@@ -72,6 +72,7 @@ class AgentSession:
     text_seen: str = ""  # completions: the prompt and completion text so far
     reward: float | None = None
     aborted: str | None = None  # why the session is stored as aborted
+    refused: Exception | None = None  # WeightVersionRefused by the pool: the group goes elsewhere (agent_proxy.py)
     closed: bool = False
     turns: list[dict] = field(default_factory=list)  # per model turn: rid, input length, ids, log-probs
     last_stop_token: int | None = None  # the stop token id that ended the last turn, when one did

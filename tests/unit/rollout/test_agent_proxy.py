@@ -398,3 +398,38 @@ def test_the_endpoint_leaves_the_process_logging_alone(monkeypatch):
         p.stop()
     finally:
         logging.getLogger().removeHandler(handler)
+
+
+def test_a_turn_refused_for_its_weight_version_sends_the_group_elsewhere(tiny, tmp_path):
+    # A pool serving an older version than the step allows refuses the pinned turn; the agent sees a failed call,
+    # but the sample is not stored as the agent's failure: the generate function raises the refusal, and the
+    # dispatcher (tasks/rollout/dispatch.py) gives the group to a pool that is current.
+    from sluiceway.tasks.rollout.client import WeightVersionRefused
+
+    _, tok = tiny
+
+    class Behind(ScriptedEngine):
+        async def generate(self, input_ids, params, rid, routing_key=None, min_weight_version=None,
+                           max_weight_version=None):  # fmt: skip
+            raise WeightVersionRefused(f"rid {rid}: refused", serving=4, min_version=min_weight_version,
+                                       max_version=max_weight_version)  # fmt: skip
+
+    path = _agent_module(
+        tmp_path,
+        """
+import openai
+
+async def agent(base_url, api_key, prompt):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    try:
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+    except openai.APIStatusError:
+        return 0.0
+""",
+    )
+    gen = AgentGenerate(load_agent_function(path))
+    ctx = GenerateContext(Behind(tok, ["x"]), tok, "run/0/0/0", 200, routing_key="run/0/0", min_weight_version=5)
+    item = PromptItem("p0", "What is 2+2?", tok.encode("What is 2+2?"), "4", {"env": "x"}, "What is 2+2?")
+    with pytest.raises(WeightVersionRefused) as refused:
+        asyncio.run(gen(ctx, item, dict(PARAMS)))
+    assert refused.value.serving == 4 and refused.value.min_version == 5
