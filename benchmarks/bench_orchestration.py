@@ -137,8 +137,16 @@ def install_storage_timers() -> int:
 
     modules = ["tables", "trajectories", "metrics", "datasets", "stages", "maintenance"]
     # Plain functions on rows and Arrow tables that touch no storage (the typed sample's helpers, checks).
-    pure = {"is_finished", "is_trainable", "group_rows", "conform", "validate_trajectories", "sql_literal",
-            "table_schema", "retention_interval"}
+    pure = {
+        "is_finished",
+        "is_trainable",
+        "group_rows",
+        "conform",
+        "validate_trajectories",
+        "sql_literal",
+        "table_schema",
+        "retention_interval",
+    }
     originals = {}
     for short in modules:
         mod = importlib.import_module(f"sluiceway.storage.{short}")
@@ -219,25 +227,32 @@ def make_config(args, out_dir: Path):
 
 def run_a(cfg) -> float:
     """The Prefect flow, as `sluiceway run` runs it (preflight handed over, then the flow)."""
+    from sluiceway.flows.live_run import open_run
     from sluiceway.flows.rl import rl_flow
-    from sluiceway.flows.runtime import hand_over, prepare
+    from sluiceway.flows.runtime import prepare
 
     t0 = time.perf_counter()
-    hand_over(cfg, prepare(cfg))
-    rl_flow(cfg.model_dump(mode="json"))
+    with open_run(cfg, "run") as live:
+        live.prepared = prepare(cfg)
+        rl_flow(cfg.model_dump(mode="json"))
     return time.perf_counter() - t0
 
 
 def run_b(cfg) -> float:
     """The body of `rl_flow` without Prefect: the tasks' `.fn`, no flow, no task runs, no artifacts."""
     from sluiceway.flows import runtime
-    from sluiceway.flows.logging_backends import MetricLoggers
-    from sluiceway.flows.rl import append_metrics  # the (timed) binding the flow uses
+    from sluiceway.flows.live_run import open_run
 
     t0 = time.perf_counter()
     tasks = stage_tasks()
-    rt = runtime.Runtime.create(cfg, runtime.prepare(cfg))
-    runtime.register(rt)
+    with open_run(cfg, "run") as live, live.serving(runtime.Runtime.create(cfg, live), runtime.Runtime.close) as rt:
+        return _steps_b(cfg, rt, tasks, t0)
+
+
+def _steps_b(cfg, rt, tasks, t0) -> float:
+    from sluiceway.flows.logging_backends import MetricLoggers
+    from sluiceway.flows.rl import append_metrics  # the (timed) binding the flow uses
+
     loggers = None
     try:
         loggers = MetricLoggers.open(cfg)
@@ -268,8 +283,6 @@ def run_b(cfg) -> float:
     finally:
         if loggers is not None:
             loggers.close()
-        runtime.unregister(cfg.run_id)
-        rt.close()
     return time.perf_counter() - t0
 
 

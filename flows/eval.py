@@ -23,8 +23,9 @@ from prefect.cache_policies import NO_CACHE
 
 from sluiceway.flows.config import EvalRunConfig, RunConfig, validate_for
 from sluiceway.flows.engines import RolloutEngines
+from sluiceway.flows.live_run import live, open_run
 from sluiceway.flows.precision import resolve_precision
-from sluiceway.flows.scaffold import Registry, make_run_dir, open_store, run_locked
+from sluiceway.flows.scaffold import make_run_dir, open_store
 from sluiceway.infra.errors import Fault, UserError
 from sluiceway.infra.sglang_launcher import require_sglang
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
@@ -94,17 +95,9 @@ class _EvalRun:
         return self.prep.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-_RUNS: Registry[EvalPrepared, _EvalRun] = Registry("eval run")
-
-
-def hand_over(cfg: RunConfig, prep: EvalPrepared) -> None:
-    """The CLI preflight's work, handed to the flow in the same process."""
-    _RUNS.hand_over(cfg.run_id, prep)
-
-
 @task(name="evaluate", cache_policy=NO_CACHE, persist_result=False)
 def eval_set_task(run_id: str, name: str) -> dict:
-    run = _RUNS.get(run_id)
+    run = live(run_id, _EvalRun)
     c, p = run.cfg, run.prep
     return run.engines.run(
         evaluate(
@@ -135,28 +128,21 @@ def format_set(name: str, m: dict[str, float]) -> str:
 def eval_flow(config: EvalRunConfig) -> dict:
     """Evaluate `config`'s hf_checkpoint on its eval sets (typed so the UI shows the config's form)."""
     cfg = resolve_precision(validate_for(config, "eval"))  # auto -> bf16/fp32 (a UI run starts here)
-    with run_locked(cfg, "eval"):  # the CLI took the lock already; a deployment's run takes it here
-        return _eval(cfg)
-
-
-def _eval(cfg: EvalRunConfig) -> dict:
-    prep = _RUNS.take_prepared(cfg.run_id) or prepare_eval(cfg)
-    run_dir = make_run_dir(cfg)
-    t0 = time.perf_counter()
-    engines = RolloutEngines(cfg, prep.hf_dir, run_dir, weight_version=prep.version)
-    _RUNS.register(cfg.run_id, _EvalRun(cfg, prep, engines))
-    metrics: dict[str, float] = {}
-    try:
-        for name in prep.eval_prompts:
-            m = eval_set_task(cfg.run_id, name)
-            metrics |= m
-            if not cfg.logging.quiet:
-                print(format_set(name, m), flush=True)
-    finally:
-        _RUNS.unregister(cfg.run_id)
-        engines.close()
-    metrics["time/eval_s"] = time.perf_counter() - t0
-    append_metrics(prep.store, cfg.run_id, prep.version, metrics, tag="eval")
+    # The CLI opened the run already (flows/live_run.py); a deployment's run opens it here.
+    with open_run(cfg, "eval") as live_run:
+        prep = live_run.take_prepared(prepare_eval)
+        run_dir = make_run_dir(cfg)
+        t0 = time.perf_counter()
+        engines = RolloutEngines(cfg, prep.hf_dir, run_dir, weight_version=prep.version)
+        metrics: dict[str, float] = {}
+        with live_run.serving(_EvalRun(cfg, prep, engines), lambda run: run.engines.close()):
+            for name in prep.eval_prompts:
+                m = eval_set_task(cfg.run_id, name)
+                metrics |= m
+                if not cfg.logging.quiet:
+                    print(format_set(name, m), flush=True)
+        metrics["time/eval_s"] = time.perf_counter() - t0
+        append_metrics(prep.store, cfg.run_id, prep.version, metrics, tag="eval")
     return {
         "run_id": cfg.run_id,
         "model": str(prep.hf_dir),

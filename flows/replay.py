@@ -35,9 +35,10 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from sluiceway.flows.config import ReplayRunConfig, RunConfig, validate_for
+from sluiceway.flows.live_run import LiveRun, live, open_run
 from sluiceway.flows.precision import resolve_precision
 from sluiceway.flows.scaffold import (
-    TRAINING_RUNS,
+    TrainingRun,
     build_run_trainer,
     check_device,
     checkpoint_due,
@@ -46,7 +47,6 @@ from sluiceway.flows.scaffold import (
     make_run_dir,
     open_store,
     publish_task,
-    run_locked,
 )
 from sluiceway.infra.errors import UserError
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
@@ -107,7 +107,7 @@ def _read_manifest(cfg: RunConfig) -> dict | None:
 
 
 @dataclass
-class ReplayRun:
+class ReplayRun(TrainingRun):
     cfg: RunConfig
     run_dir: Path
     prep: ReplayPrepared
@@ -118,7 +118,8 @@ class ReplayRun:
         return self.run_dir / "checkpoints" / "replay"  # apart from an RL run's checkpoints/latest
 
     @classmethod
-    def create(cls, cfg: RunConfig, prep: ReplayPrepared) -> ReplayRun:
+    def create(cls, cfg: RunConfig, live_run: LiveRun) -> ReplayRun:
+        prep = live_run.take_prepared(prepare_replay)
         run_dir = make_run_dir(cfg)
         s = prep.source
         manifest = {"tables": prep.tables, "run_id": s.run_id, "version": s.version, "steps": s.steps}
@@ -138,14 +139,9 @@ class ReplayRun:
         return self.prep.source.steps.index(step) + 1
 
 
-def hand_over(cfg: RunConfig, prep: ReplayPrepared) -> None:
-    """The CLI preflight's work, handed to the flow in the same process."""
-    TRAINING_RUNS.hand_over(cfg.run_id, prep)
-
-
 @task(name="replay-train", cache_policy=NO_CACHE, persist_result=False)
 def replay_train_task(run_id: str, step: int) -> dict:
-    run = TRAINING_RUNS.get(run_id)
+    run = live(run_id, ReplayRun)
     a = run.cfg.algorithm
     samples, metrics = step_batch(run.prep.source, step, a.advantage_estimator, a.normalize_advantages_by_std)
     metrics.update({k if "/" in k else f"train/{k}": v for k, v in run.trainer.train_rollout(samples, step).items()})
@@ -167,34 +163,25 @@ def format_step(step: int, i: int, total: int, m: dict) -> str:
 def replay_flow(config: ReplayRunConfig) -> dict:
     """Train on the stored trajectories `config.replay` names, from the last checkpoint (typed: the UI's form)."""
     cfg = resolve_precision(validate_for(config, "replay"))  # auto -> bf16/fp32 (a UI run starts here)
-    with run_locked(cfg, "replay"):  # the CLI took the lock already; a deployment's run takes it here
-        return _replay_steps(cfg)
-
-
-def _replay_steps(cfg: ReplayRunConfig) -> dict:
-    if not cfg.algorithm.use_tis:
-        log.warning("replay without use_tis: the stored samples are trained as if the current policy made them")
-    prep = TRAINING_RUNS.take_prepared(cfg.run_id) or prepare_replay(cfg)
-    run = ReplayRun.create(cfg, prep)
-    TRAINING_RUNS.register(cfg.run_id, run)
-    steps, trained = prep.source.steps, 0
-    try:
-        start, interval = run.resume(), cfg.training.save_interval
-        for i in range(start, len(steps)):
-            t0 = time.perf_counter()
-            m = replay_train_task(cfg.run_id, steps[i])
-            m["time/step_s"] = time.perf_counter() - t0
-            append_metrics(prep.store, cfg.run_id, steps[i], m, tag="replay")
-            if checkpoint_due(interval, i, len(steps)):  # after the metrics: flows/scaffold.py says why
-                checkpoint_task(cfg.run_id, steps[i])
-            trained += 1
-            if not cfg.logging.quiet:
-                print(format_step(steps[i], i, len(steps), m), flush=True)
-        weights = publish_task(cfg.run_id)
-    finally:
-        run = TRAINING_RUNS.unregister(cfg.run_id)
-        if run is not None:
-            close_trainer(run.trainer)
+    # The CLI opened the run already (flows/live_run.py); a deployment's run opens it here.
+    with open_run(cfg, "replay") as live_run:
+        if not cfg.algorithm.use_tis:
+            log.warning("replay without use_tis: the stored samples are trained as if the current policy made them")
+        with live_run.serving(ReplayRun.create(cfg, live_run), _close) as run:
+            prep = run.prep
+            steps, trained = prep.source.steps, 0
+            start, interval = run.resume(), cfg.training.save_interval
+            for i in range(start, len(steps)):
+                t0 = time.perf_counter()
+                m = replay_train_task(cfg.run_id, steps[i])
+                m["time/step_s"] = time.perf_counter() - t0
+                append_metrics(prep.store, cfg.run_id, steps[i], m, tag="replay")
+                if checkpoint_due(interval, i, len(steps)):  # after the metrics: flows/scaffold.py says why
+                    checkpoint_task(cfg.run_id, steps[i])
+                trained += 1
+                if not cfg.logging.quiet:
+                    print(format_step(steps[i], i, len(steps), m), flush=True)
+            weights = publish_task(cfg.run_id)
     return {
         "run_id": cfg.run_id,
         "steps": trained,
@@ -204,3 +191,7 @@ def _replay_steps(cfg: ReplayRunConfig) -> dict:
         "tables": cfg.tables_uri,
         "final_weight_version": run.trainer.weight_version,
     }
+
+
+def _close(run: ReplayRun) -> None:
+    close_trainer(run.trainer)

@@ -19,10 +19,11 @@ from prefect.cache_policies import NO_CACHE
 from sluiceway.flows import runtime
 from sluiceway.flows.artifacts import RunArtifacts
 from sluiceway.flows.config import RunConfig
+from sluiceway.flows.live_run import open_run
 from sluiceway.flows.logging_backends import MetricLoggers
 from sluiceway.flows.precision import resolve_precision
 from sluiceway.flows.retry import call_retrying, retry_delays, retry_transient
-from sluiceway.flows.scaffold import checkpoint_due, run_locked
+from sluiceway.flows.scaffold import checkpoint_due
 from sluiceway.infra.errors import Fault
 from sluiceway.storage.maintenance import maintain_run
 from sluiceway.storage.metrics import append_metrics
@@ -77,10 +78,11 @@ def rollout_task(run_id: str, step: int) -> dict:
         new = [rt.prompts[i] for i in idx]
     work = plan_step(rt.store, run_id, step, new, s, rt.prompts)
     version_at_start = rt.engines.weight_version
+    min_version = pool_min_version(rt.cfg, step, version_at_start) if rt.engines.has_pools else None
     res = rt.engines.run(
         run_rollout(
             group_filter=rt.prep.rollout_filter,
-            client=rt.engines.client,
+            dispatcher=rt.engines.dispatcher(s.max_concurrency, min_version),
             store=rt.store,
             run_id=run_id,
             step=step,
@@ -88,9 +90,6 @@ def rollout_task(run_id: str, step: int) -> dict:
             settings=s,
             decode=rt.decode,
             on_progress=lambda done, need: rt.console.update(f"rollout step {step + 1}", done, need),
-            remote_pools=rt.engines.remote,
-            pool_directory=rt.engines.directory,
-            min_version=pool_min_version(rt.cfg, step, version_at_start) if rt.engines.has_pools else None,
         )
     )
     if res.groups_completed == 0 and res.groups_aborted:
@@ -319,78 +318,74 @@ def rl_flow(config: RunConfig) -> dict:
     Typed as the pydantic model so a deployment's parameter form in the Prefect UI is the run config.
     """
     cfg = resolve_precision(RunConfig.model_validate(config))  # auto -> bf16/fp32 (a UI run starts here)
-    with run_locked(cfg, "run"):  # the CLI took the lock already; a deployment's run takes it here
-        return _run_steps(cfg)
-
-
-def _run_steps(cfg: RunConfig) -> dict:
-    rt = runtime.Runtime.create(cfg, runtime.take_prepared(cfg.run_id))
-    runtime.register(rt)
-    history = []
-    loggers = None
-    arts = RunArtifacts(cfg, cfg.rollout.num_rollout)
-    try:
-        loggers = MetricLoggers.open(cfg)  # TensorBoard always, wandb when asked
-        start = rt.resume()
-        arts.start(start)
-        total = cfg.rollout.num_rollout
-        interval = cfg.eval.eval_interval
-        if interval and start == 0:
-            loggers.log(0, eval_task(cfg.run_id, 0))  # the baseline
-        stages = _Stages(cfg)
-        for step in range(start, total):
-            t0 = time.perf_counter()
-            stages.generate_ahead(step, total)  # sync: this step; async modes: also the next ones
-            roll, rew, tea = stages.generated(step)
-            arts.progress(step + 0.5)
-            kept = stages.filter(cfg.run_id, step)
-            m = stages.train(cfg.run_id, step)
-            m.update(kept)
-            if cfg.rollout.mode == "one-step-off":
-                stages.wait_in_flight()  # the next step's samples all come from the weights before this update
-            stages.sync(cfg.run_id, step)
-            m.update(
-                {
-                    "time/step_s": time.perf_counter() - t0,
-                    "time/rollout_s": roll["gen_time_s"],
-                    "time/rollout_start": roll["started"],
-                    "time/rollout_end": roll["ended"],
-                    "rollout/engine_version": float(roll["engine_version"]),
-                    "rollout/groups_skipped": float(roll["groups_skipped"]),
-                    "rollout/groups_aborted": float(roll["groups_aborted"]),
-                    "reward/errors": float(rew["errors"]),
-                    **rew.get("levels", {}),
-                }
-            )
-            if tea is not None:  # requests this process sent (0 for a step whose scores were already stored)
-                m["opd/teacher_requests"] = 0.0 if tea.get("resumed") else float(tea["requests"])
-                m["opd/teacher_stored"] = float(tea["stored"])
-            d = cfg.durability
-            call_retrying(append_metrics, rt.store, cfg.run_id, step, m, "train", delays=retry_delays(d),
-                          what=f"storing step {step + 1}'s metrics")  # fmt: skip
-            history.append(m)
-            loggers.log(step, m)
-            arts.progress(step + 1)
-            if not cfg.logging.quiet:
-                rt.console.clear()
-                print(format_step(step, total, m, m["time/step_s"]), flush=True)
-            if interval and ((step + 1) % interval == 0 or step + 1 == total):
-                stages.wait_in_flight()  # evaluation shares the engines; let generation settle first
-                loggers.log(step + 1, eval_task(cfg.run_id, step + 1))
-            if checkpoint_due(cfg.training.save_interval, step, total):
-                stages.checkpoint(cfg.run_id, step)
-            if upkeep_due(cfg, step):
-                stages.upkeep(cfg.run_id, step)
-            arts.step_done(rt.store)  # metrics table and curves (curves.png), at most every minute
-    finally:
-        arts.finish(rt.store)
-        if loggers is not None:
-            loggers.close()
-        runtime.unregister(cfg.run_id)
-        rt.close()
+    history, loggers = [], None
+    # The CLI opened the run already (flows/live_run.py); a deployment's run opens it here.
+    with open_run(cfg, "run") as live_run, live_run.serving(runtime.Runtime.create(cfg, live_run), _close) as rt:
+        arts = RunArtifacts(cfg, cfg.rollout.num_rollout)
+        try:
+            loggers = MetricLoggers.open(cfg)  # TensorBoard always, wandb when asked
+            start = rt.resume()
+            arts.start(start)
+            total = cfg.rollout.num_rollout
+            interval = cfg.eval.eval_interval
+            if interval and start == 0:
+                loggers.log(0, eval_task(cfg.run_id, 0))  # the baseline
+            stages = _Stages(cfg)
+            for step in range(start, total):
+                t0 = time.perf_counter()
+                stages.generate_ahead(step, total)  # sync: this step; async modes: also the next ones
+                roll, rew, tea = stages.generated(step)
+                arts.progress(step + 0.5)
+                kept = stages.filter(cfg.run_id, step)
+                m = stages.train(cfg.run_id, step)
+                m.update(kept)
+                if cfg.rollout.mode == "one-step-off":
+                    stages.wait_in_flight()  # the next step's samples all come from the weights before this update
+                stages.sync(cfg.run_id, step)
+                m.update(
+                    {
+                        "time/step_s": time.perf_counter() - t0,
+                        "time/rollout_s": roll["gen_time_s"],
+                        "time/rollout_start": roll["started"],
+                        "time/rollout_end": roll["ended"],
+                        "rollout/engine_version": float(roll["engine_version"]),
+                        "rollout/groups_skipped": float(roll["groups_skipped"]),
+                        "rollout/groups_aborted": float(roll["groups_aborted"]),
+                        "reward/errors": float(rew["errors"]),
+                        **rew.get("levels", {}),
+                    }
+                )
+                if tea is not None:  # requests this process sent (0 for a step whose scores were already stored)
+                    m["opd/teacher_requests"] = 0.0 if tea.get("resumed") else float(tea["requests"])
+                    m["opd/teacher_stored"] = float(tea["stored"])
+                d = cfg.durability
+                call_retrying(append_metrics, rt.store, cfg.run_id, step, m, "train", delays=retry_delays(d),
+                              what=f"storing step {step + 1}'s metrics")  # fmt: skip
+                history.append(m)
+                loggers.log(step, m)
+                arts.progress(step + 1)
+                if not cfg.logging.quiet:
+                    rt.console.clear()
+                    print(format_step(step, total, m, m["time/step_s"]), flush=True)
+                if interval and ((step + 1) % interval == 0 or step + 1 == total):
+                    stages.wait_in_flight()  # evaluation shares the engines; let generation settle first
+                    loggers.log(step + 1, eval_task(cfg.run_id, step + 1))
+                if checkpoint_due(cfg.training.save_interval, step, total):
+                    stages.checkpoint(cfg.run_id, step)
+                if upkeep_due(cfg, step):
+                    stages.upkeep(cfg.run_id, step)
+                arts.step_done(rt.store)  # metrics table and curves (curves.png), at most every minute
+        finally:
+            arts.finish(rt.store)
+            if loggers is not None:
+                loggers.close()
     return {
         "run_id": cfg.run_id,
         "steps": len(history),
         "tables": cfg.tables_uri,
         "final_weight_version": rt.trainer.weight_version,
     }
+
+
+def _close(rt: runtime.Runtime) -> None:
+    rt.close()

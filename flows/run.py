@@ -1,7 +1,9 @@
-"""Entry points behind `sluiceway run` and `sluiceway sft`: embedded Prefect in the run directory, then the flow."""
+"""What a flow command (`sluiceway run`, `sft`, `replay`, `eval`) does inside the run the CLI opened
+(flows/cli/flow.py): the run's logging, embedded Prefect in the run directory, the preflight, then the flow."""
 
 from __future__ import annotations
 
+import importlib
 import io
 import logging
 import os
@@ -9,6 +11,7 @@ import sys
 from pathlib import Path
 
 from sluiceway.flows.config import RunConfig
+from sluiceway.flows.live_run import LiveRun
 from sluiceway.infra.prefect_env import configure_prefect, wait_for_api_server
 from sluiceway.infra.proc import note_run_log, register_secret_env
 
@@ -52,9 +55,6 @@ def configure_logging(cfg: RunConfig) -> None:
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     handler.run_log = path
     root.addHandler(handler)
-    zoo = sys.modules.get("sluiceway.models.zoo")  # not imported: nothing was built, nothing to say
-    if zoo is not None:
-        zoo.log_first_use_builds()  # built while the config was checked, before this logging existed
 
 
 def run_log_path(cfg: RunConfig) -> Path:
@@ -183,10 +183,10 @@ def _append_whole(path: Path, text: str) -> bool:
         os.close(fd)
 
 
-def _configure(cfg: RunConfig, wait: bool = True) -> None:
+def _configure(cfg: RunConfig) -> None:
     if cfg.reward.rm_api_key_env:  # before any child process starts: none of them gets the key (infra/proc.py)
         register_secret_env(cfg.reward.rm_api_key_env)
-    configure_prefect(cfg.storage.output_dir, wait=wait)
+    configure_prefect(cfg.storage.output_dir, wait=False)  # it boots while the imports and checks run
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is fetched from a hub at run time
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -202,8 +202,6 @@ def _start_engines_early(cfg: RunConfig):
     """
     if cfg.rollout.rollout_engine != "embedded" or cfg.rollout.rollout_num_engines == 0:
         return None
-    from pathlib import Path
-
     from sluiceway.flows.engines import RolloutEngines
     from sluiceway.models.zoo import resolve_checkpoint
 
@@ -212,77 +210,38 @@ def _start_engines_early(cfg: RunConfig):
     return RolloutEngines(cfg, resolve_checkpoint(cfg.training.hf_checkpoint), run_dir, wait=False)
 
 
-def run(cfg: RunConfig) -> dict:
-    _configure(cfg, wait=False)  # Prefect's server boots while the imports and checks below run
-    early = _start_engines_early(cfg)
-    try:
-        from sluiceway.flows.rl import rl_flow  # imported after Prefect's settings are in the environment
-        from sluiceway.flows.runtime import hand_over, prepare
-
-        configure_logging(cfg)  # again: importing Prefect replaced the root logger's handlers
-
-        # Everything a user can get wrong (data files, scorer, model name, prompt lengths) is checked here,
-        # before the flow starts, so a mistake is one line rather than a failed flow run; the flow reuses it.
-        hand_over(cfg, prepare(cfg), engines=early)
-        wait_for_api_server()
-        result = rl_flow(cfg.model_dump(mode="json"))
-    finally:
-        if early is not None:  # the flow's runtime took and closed them, unless it failed before that
-            from sluiceway.flows.runtime import take_early_engines
-
-            take_early_engines(cfg.run_id)
-            early.close()
-    if not cfg.logging.quiet:
-        print(
-            f"done: {result['steps']} steps, weight version {result['final_weight_version']}, "
-            f"tables at {result['tables']}"
-        )
-    return result
+# command -> its preflight and its flow (imported only once Prefect's settings are in the environment), and the
+# line it ends with.
+FLOWS = {
+    "run": ("runtime:prepare", "rl:rl_flow",
+            "done: {steps} steps, weight version {final_weight_version}, tables at {tables}"),
+    "sft": ("sft:prepare_sft", "sft:sft_flow",
+            "done: {steps} steps ({total_steps} in the run, {samples} samples), weights at {weights}"),
+    "replay": ("replay:prepare_replay", "replay:replay_flow",
+               "done: replayed {steps} steps ({total_steps} in {source}), weights at {weights}"),
+    "eval": ("eval:prepare_eval", "eval:eval_flow", "done: evaluated {model}, metrics at step {step} in {tables}"),
+}  # fmt: skip
 
 
-def run_sft(cfg: RunConfig) -> dict:
-    """`sluiceway sft`: the same set-up, a preflight that imports and tokenizes the data, then the SFT flow."""
+def _flows_attr(name: str):
+    module, attr = name.split(":")
+    return getattr(importlib.import_module(f"sluiceway.flows.{module}"), attr)
+
+
+def run_flow(live: LiveRun) -> dict:
+    """A flow command on the run the CLI opened: embedded Prefect in the run directory, the engines started early
+    (`sluiceway run`), the preflight (everything a user can get wrong: data files, scorer, model name, prompt
+    lengths: one line rather than a failed flow run), then the flow, which takes what was prepared."""
+    cfg = live.cfg
     _configure(cfg)
-    from sluiceway.flows.sft import hand_over, prepare_sft, sft_flow  # after Prefect's settings are set
-
+    if live.command == "run":
+        live.early_engines = _start_engines_early(cfg)
+    prepare, flow, done = FLOWS[live.command]
+    prepare, flow = _flows_attr(prepare), _flows_attr(flow)
     configure_logging(cfg)  # again: importing Prefect replaced the root logger's handlers
-
-    hand_over(cfg, prepare_sft(cfg))
-    result = sft_flow(cfg.model_dump(mode="json"))
+    live.prepared = prepare(cfg)
+    wait_for_api_server()
+    result = flow(cfg.model_dump(mode="json"))
     if not cfg.logging.quiet:
-        print(
-            f"done: {result['steps']} steps ({result['total_steps']} in the run, {result['samples']} samples), "
-            f"weights at {result['weights']}"
-        )
-    return result
-
-
-def run_replay(cfg: RunConfig) -> dict:
-    """`sluiceway replay`: pin and check the stored table version first (one-line errors), then the replay flow."""
-    _configure(cfg)
-    from sluiceway.flows.replay import hand_over, prepare_replay, replay_flow  # after Prefect's settings are set
-
-    configure_logging(cfg)  # again: importing Prefect replaced the root logger's handlers
-
-    hand_over(cfg, prepare_replay(cfg))
-    result = replay_flow(cfg.model_dump(mode="json"))
-    if not cfg.logging.quiet:
-        print(
-            f"done: replayed {result['steps']} steps ({result['total_steps']} in {result['source']}), "
-            f"weights at {result['weights']}"
-        )
-    return result
-
-
-def run_eval(cfg: RunConfig) -> dict:
-    """`sluiceway eval`: resolve the model and the eval sets first (one-line errors), then the eval flow."""
-    _configure(cfg)
-    from sluiceway.flows.eval import eval_flow, hand_over, prepare_eval  # after Prefect's settings are set
-
-    configure_logging(cfg)  # again: importing Prefect replaced the root logger's handlers
-
-    hand_over(cfg, prepare_eval(cfg))
-    result = eval_flow(cfg.model_dump(mode="json"))
-    if not cfg.logging.quiet:
-        print(f"done: evaluated {result['model']}, metrics at step {result['step']} in {result['tables']}")
+        print(done.format(**result))
     return result

@@ -1,8 +1,8 @@
 """What a run holds in memory between stages: store, tokenizer, prompts, engines, trainer, reward settings.
 
 Prefect task parameters must stay small and JSON-able (docs/design.md), so tasks receive (run_id, step) and
-find the live objects here. Everything durable -- data, trajectories, rewards, metrics, checkpoints --
-is in the tables or the run directory, which is what a restarted run resumes from.
+find the live objects with `get` (flows/live_run.py). Everything durable -- data, trajectories, rewards, metrics,
+checkpoints -- is in the tables or the run directory, which is what a restarted run resumes from.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from pathlib import Path
 from sluiceway.flows.config import RunConfig
 from sluiceway.flows.console import ProgressLine
 from sluiceway.flows.engines import RolloutEngines, TeacherEngine
-from sluiceway.flows.scaffold import Registry, build_run_trainer, check_device, close_trainer, make_run_dir, open_store
+from sluiceway.flows.live_run import LiveRun, live
+from sluiceway.flows.scaffold import build_run_trainer, check_device, close_trainer, make_run_dir, open_store
 from sluiceway.infra.errors import UserError
 from sluiceway.infra.sglang_launcher import require_sglang
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
@@ -109,15 +110,17 @@ class Runtime:
         return self.run_dir / "checkpoints" / "latest"
 
     @classmethod
-    def create(cls, cfg: RunConfig, prep: Prepared | None = None) -> Runtime:
+    def create(cls, cfg: RunConfig, live_run: LiveRun) -> Runtime:
+        """The run's engines and trainer, from the inputs the CLI's preflight checked (else checked here) and the
+        engines it started early (else started here)."""
+        prep = live_run.take_prepared(prepare)
         run_dir = make_run_dir(cfg)
-        prep = prep or prepare(cfg)
         total_iters = cfg.rollout.num_rollout * cfg.training.num_steps_per_rollout
         # Embedded engines load their model while the trainer builds (separate processes: on a CPU machine the
         # two start-ups share the cores instead of queueing). SGLang sizes its KV cache from the GPU memory free
         # when it starts, so it starts after the trainer holds its share.
         embedded = cfg.rollout.rollout_engine == "embedded"
-        early = take_early_engines(cfg.run_id)
+        early = live_run.take_early_engines()
         if early is None and embedded:
             early = RolloutEngines(cfg, prep.hf_dir, run_dir, wait=False)
         opd = cfg.algorithm.opd
@@ -193,36 +196,6 @@ class Runtime:
         return step + 1
 
 
-# The live runtimes, and the Prepared each CLI preflight handed to its flow in this process.
-_RUNTIMES: Registry[Prepared, Runtime] = Registry("runtime")
-
-
-# Embedded engines the CLI started before its imports, handed to the flow's Runtime (which then owns them).
-_EARLY_ENGINES: dict[str, RolloutEngines] = {}
-
-
-def hand_over(cfg: RunConfig, prep: Prepared, engines: RolloutEngines | None = None) -> None:
-    _RUNTIMES.hand_over(cfg.run_id, prep)
-    if engines is not None:
-        _EARLY_ENGINES[cfg.run_id] = engines
-
-
-def take_prepared(run_id: str) -> Prepared | None:
-    """The preflight's Prepared for this run, if this process made one (a deployment's worker did not)."""
-    return _RUNTIMES.take_prepared(run_id)
-
-
-def take_early_engines(run_id: str) -> RolloutEngines | None:
-    return _EARLY_ENGINES.pop(run_id, None)
-
-
-def register(rt: Runtime) -> None:
-    _RUNTIMES.register(rt.cfg.run_id, rt)
-
-
-def unregister(run_id: str) -> None:
-    _RUNTIMES.unregister(run_id)
-
-
 def get(run_id: str) -> Runtime:
-    return _RUNTIMES.get(run_id)
+    """The RL flow's live runtime (flows/live_run.py)."""
+    return live(run_id, Runtime)

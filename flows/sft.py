@@ -24,9 +24,10 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from sluiceway.flows.config import RunConfig
+from sluiceway.flows.live_run import LiveRun, live, open_run
 from sluiceway.flows.precision import resolve_precision
 from sluiceway.flows.scaffold import (
-    TRAINING_RUNS,
+    TrainingRun,
     build_run_trainer,
     check_device,
     checkpoint_due,
@@ -35,7 +36,6 @@ from sluiceway.flows.scaffold import (
     make_run_dir,
     open_store,
     publish_task,
-    run_locked,
 )
 from sluiceway.infra.errors import UserError
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
@@ -45,8 +45,8 @@ from sluiceway.storage.metrics import append_metrics
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.tasks.rollout.prompts import dataset_table_name
 from sluiceway.tasks.sync.disk import settle_versions
-from sluiceway.tasks.train.batch import TrainSample
 from sluiceway.tasks.train.remote import RemoteTrainer
+from sluiceway.tasks.train.samples import TrainSample
 from sluiceway.tasks.train.sft_data import SftSettings, sft_samples
 from sluiceway.tasks.train.trainer import PolicyTrainer
 
@@ -107,7 +107,7 @@ def batch_indices(n_samples: int, step: int, cfg: RunConfig) -> list[int]:
 
 
 @dataclass
-class SftRun:
+class SftRun(TrainingRun):
     cfg: RunConfig
     run_dir: Path
     prep: SftPrepared
@@ -119,7 +119,8 @@ class SftRun:
         return self.run_dir / "checkpoints" / "latest"
 
     @classmethod
-    def create(cls, cfg: RunConfig, prep: SftPrepared) -> SftRun:
+    def create(cls, cfg: RunConfig, live_run: LiveRun) -> SftRun:
+        prep = live_run.take_prepared(prepare_sft)
         run_dir = make_run_dir(cfg)
         total = num_steps(len(prep.samples), cfg)
         # Log-probs at temperature 1: SFT fits the model's own distribution, not a sampling temperature.
@@ -137,14 +138,9 @@ class SftRun:
         return step + 1
 
 
-def hand_over(cfg: RunConfig, prep: SftPrepared) -> None:
-    """The CLI preflight's work, handed to the flow in the same process."""
-    TRAINING_RUNS.hand_over(cfg.run_id, prep)
-
-
 @task(name="sft-train", cache_policy=NO_CACHE, persist_result=False)
 def sft_train_task(run_id: str, step: int) -> dict:
-    run = TRAINING_RUNS.get(run_id)
+    run = live(run_id, SftRun)
     idx = batch_indices(len(run.prep.samples), step, run.cfg)
     m = {f"train/{k}": v for k, v in run.trainer.train_sft([run.prep.samples[i] for i in idx], step).items()}
     m["train/samples"] = float(len(idx))
@@ -165,16 +161,9 @@ def format_step(step: int, total: int, m: dict) -> str:
 def sft_flow(config: RunConfig) -> dict:
     """Fine-tune on `config`'s data file from its last checkpoint to the end (typed so the UI shows a form)."""
     cfg = resolve_precision(RunConfig.model_validate(config))  # auto -> bf16/fp32 (a UI run starts here)
-    with run_locked(cfg, "sft"):  # the CLI took the lock already; a deployment's run takes it here
-        return _sft_steps(cfg)
-
-
-def _sft_steps(cfg: RunConfig) -> dict:
-    prep = TRAINING_RUNS.take_prepared(cfg.run_id) or prepare_sft(cfg)
-    run = SftRun.create(cfg, prep)
-    TRAINING_RUNS.register(cfg.run_id, run)
-    trained = 0
-    try:
+    # The CLI opened the run already (flows/live_run.py); a deployment's run opens it here.
+    with open_run(cfg, "sft") as live_run, live_run.serving(SftRun.create(cfg, live_run), _close) as run:
+        prep, trained = run.prep, 0
         start, total = run.resume(), run.total_steps
         interval = cfg.training.save_interval
         for step in range(start, total):
@@ -188,10 +177,6 @@ def _sft_steps(cfg: RunConfig) -> dict:
             if not cfg.logging.quiet:
                 print(format_step(step, total, m), flush=True)
         weights = publish_task(cfg.run_id)
-    finally:
-        run = TRAINING_RUNS.unregister(cfg.run_id)
-        if run is not None:
-            close_trainer(run.trainer)
     return {
         "run_id": cfg.run_id,
         "steps": trained,
@@ -201,3 +186,7 @@ def _sft_steps(cfg: RunConfig) -> dict:
         "tables": cfg.tables_uri,
         "final_weight_version": run.trainer.weight_version,
     }
+
+
+def _close(run: SftRun) -> None:
+    close_trainer(run.trainer)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from sluiceway.infra import held_lines
 from sluiceway.infra.cache import cache_root
 from sluiceway.infra.errors import UserError
 
@@ -32,10 +33,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 _TMP_MARK = ".tmp-"
 log = logging.getLogger(__name__)
-
-# Builds this process made, (name, seconds), for `log_first_use_builds`: a build runs while the config is checked,
-# before the run's logging exists, and a config mistake found after it must still be the only line on stderr.
-_FIRST_USE: list[tuple[str, float]] = []
 
 
 @dataclass(frozen=True)
@@ -162,7 +159,9 @@ def _build_atomically(entry: ZooEntry, final: Path) -> Path:
         started = time.monotonic()
         with _quiet_build(entry.name):
             entry.build(tmp)
-        _FIRST_USE.append((entry.name, time.monotonic() - started))
+        # A build runs while the config is checked, before the run's logging exists, and a config mistake found
+        # after it must still be the only line on stderr: the line waits for the run (infra/held_lines.py).
+        held_lines.hold(f"built {entry.name} (first use): {time.monotonic() - started:.1f} s", "zoo")
         missing = _missing(tmp)
         if missing:
             raise RuntimeError(f"zoo build of {entry.name} left out {', '.join(missing)}")
@@ -215,13 +214,6 @@ def _quiet_build(name: str) -> Iterator[None]:
         hf_logging.set_verbosity(verbosity)
         if captured.getvalue().strip():
             log.debug("building %s printed:\n%s", name, captured.getvalue())
-
-
-def log_first_use_builds() -> None:
-    """One log line per zoo model this process built (called once the run's logging is set up)."""
-    while _FIRST_USE:
-        name, seconds = _FIRST_USE.pop(0)
-        log.info("built %s (first use): %.1f s", name, seconds)
 
 
 def resolve_checkpoint(name_or_path: str | Path, cache_dir: str | Path | None = None) -> Path:

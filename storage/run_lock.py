@@ -11,7 +11,7 @@ writes a run takes both before it starts anything, and a second one is refused w
   A lease is free when its holder released it, when its beat is older than `ttl`, or when its holder ran on this
   host and its process is gone. A holder that finds a newer generation (it was taken over after it stopped
   beating: a paused VM, a lost network) or cannot beat for `ttl` has lost the lease: `ensure_held` raises, and
-  every stage calls it before it writes (flows/scaffold.py Registry.get).
+  every stage calls it before it writes (flows/live_run.py `live`).
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ class _Lease:
 
 
 class RunLock:
-    """Both halves, held for one command. Use `hold`, which also makes `ensure_held` check it."""
+    """Both halves, held for one command (`hold`); `ensure_held` raises once the lease is lost."""
 
     def __init__(self, run_dir: Path, store: ObjectStore, run_id: str, command: str, ttl_s: float = LEASE_TTL_S):
         self.run_dir, self.run_id = Path(run_dir), run_id
@@ -222,32 +222,13 @@ class RunLock:
             self._fd = None
 
 
-_HELD: dict[str, RunLock] = {}
-
-
 @contextlib.contextmanager
 def hold(run_dir: Path, store: ObjectStore, run_id: str, command: str):
-    """Hold the run's lock for the block; re-entrant in one process (the CLI takes it, then its flow does)."""
-    if run_id in _HELD:
-        yield _HELD[run_id]
-        return
+    """Hold the run's lock for the block. One per run in a process: flows/live_run.py `open_run` takes it once,
+    and the CLI's flow enters the run it opened."""
     lock = RunLock(run_dir, store, run_id, command)
     lock.acquire()
-    _HELD[run_id] = lock
     try:
         yield lock
     finally:
-        _HELD.pop(run_id, None)
         lock.release()
-
-
-def held(run_id: str) -> bool:
-    """Whether this process holds `run_id`'s lock (the CLI took it before the flow started)."""
-    return run_id in _HELD
-
-
-def ensure_held(run_id: str) -> None:
-    """Raise if this process held `run_id`'s lease and lost it (no-op for a run it never locked)."""
-    lock = _HELD.get(run_id)
-    if lock is not None:
-        lock.ensure_held()

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from sluiceway.flows.cli.flow import dispatch
+from sluiceway.flows.cli.flow import FlowCommand
 from sluiceway.flows.cli.parser import add_config_command, configured
 
 
@@ -12,5 +12,5 @@ def add_parser(sub) -> None:
                        hidden=("algorithm", "replay"))  # fmt: skip
 
 
-def run(args) -> int:
-    return dispatch("eval", configured(args))
+def run(args) -> FlowCommand:
+    return FlowCommand("eval", configured(args))

@@ -24,12 +24,13 @@ from sluiceway.flows.cli import (
     sft,
     weights,
 )
-from sluiceway.flows.cli.flow import CONSOLE, RUN_DIR
+from sluiceway.flows.cli.flow import FlowCommand, Invocation, dispatch
 from sluiceway.flows.cli.parser import Parser
 from sluiceway.flows.slime import splice_slime_script
 from sluiceway.infra.errors import UserError
 
 # command -> its module: `add_parser(sub)` declares its arguments, `run(args)` runs it and returns the exit status
+# (a flow command returns the `FlowCommand` for `main` to run: flows/cli/flow.py)
 COMMANDS = {
     "run": run,
     "sft": sft,
@@ -57,9 +58,11 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, inv: Invocation | None = None) -> int:
+    from sluiceway.infra import held_lines
     from sluiceway.infra.proc import hold_if_stopping
 
+    inv = inv if inv is not None else Invocation()
     try:
         from sluiceway.infra.sglang_launcher import split_sglang_args
 
@@ -68,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         args = make_parser().parse_args(argv)
         if sglang_args:
             vars(args)["rollout.sglang_server_args"] = sglang_args
-        return COMMANDS[args.command].run(args)
+        out = COMMANDS[args.command].run(args)
+        return dispatch(out, inv) if isinstance(out, FlowCommand) else out
     except UserError as e:
+        held_lines.drop()  # the lines held for the run (infra/held_lines.py): the mistake's line is the only one
         hold_if_stopping()  # a signal is ending the run (infra/proc.py): no other line after `interrupted`
         # One line, even for a file name with a newline in it: control characters are shown escaped.
         msg = re.sub(r"[\x00-\x1f\x7f]", lambda m: repr(m.group())[1:-1], str(e))
@@ -84,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         from sluiceway.flows.faults import explain
         from sluiceway.flows.run import record_failure
 
-        out = explain(e, RUN_DIR[0] if RUN_DIR else None)
+        held_lines.drop()  # a fault before the run started: its one line, nothing held for a run that never began
+        out = explain(e, inv.run_dir)
         log_path = record_failure(out.message, e)
         where = f" (traceback in {log_path})" if log_path else ""
         print(f"error: {out.message}{where}", file=sys.stderr)
@@ -103,13 +109,13 @@ def entry() -> None:
     """
     from sluiceway.infra.proc import hold_if_stopping, set_exit_code
 
-    CONSOLE.append(True)
+    inv = Invocation(console=True)
     try:
-        code = main()
-        if code == 1 and RUN_DIR:  # a fault was printed as one line: what the teardown says goes to the run's log
+        code = main(inv=inv)
+        if code == 1 and inv.run_dir:  # a fault was printed as one line: what the teardown says goes to the run's log
             from sluiceway.flows.run import quiet_teardown
 
-            quiet_teardown(RUN_DIR[0])
+            quiet_teardown(inv.run_dir)
     finally:
         hold_if_stopping()  # a signal is ending the run: its exit code, not this one (infra/proc.py)
     set_exit_code(code)  # a flow command ends with it after the atexit callbacks, before the interpreter's teardown

@@ -3,7 +3,7 @@ stored run's trajectories, no engines (flows/replay.py)."""
 
 from __future__ import annotations
 
-from sluiceway.flows.cli.flow import dispatch
+from sluiceway.flows.cli.flow import FlowCommand
 from sluiceway.flows.cli.parser import add_config_command, configured
 
 
@@ -16,5 +16,5 @@ def add_parser(sub) -> None:
     )  # fmt: skip  (the stored rewards are replayed)
 
 
-def run(args) -> int:
-    return dispatch("replay", configured(args))
+def run(args) -> FlowCommand:
+    return FlowCommand("replay", configured(args))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sluiceway.flows.cli.flow import dispatch
+from sluiceway.flows.cli.flow import FlowCommand
 
 
 def add_parser(sub) -> None:
@@ -11,8 +11,8 @@ def add_parser(sub) -> None:
     res.add_argument("--runs-root", default="runs", help="where run ids are looked up (default ./runs)")
 
 
-def run(args) -> int:
+def run(args) -> FlowCommand:
     from sluiceway.flows.resume import load_run_record
 
     command, cfg = load_run_record(args.run, args.runs_root)
-    return dispatch(command, cfg)
+    return FlowCommand(command, cfg)

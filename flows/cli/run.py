@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sluiceway.flows import slime
-from sluiceway.flows.cli.flow import dispatch
+from sluiceway.flows.cli.flow import FlowCommand
 from sluiceway.flows.cli.parser import add_config_command, add_slime_script_flag, configured
 
 
@@ -13,5 +13,5 @@ def add_parser(sub) -> None:
     slime.add_help_flag(p)
 
 
-def run(args) -> int:
-    return dispatch("run", configured(args))
+def run(args) -> FlowCommand:
+    return FlowCommand("run", configured(args))

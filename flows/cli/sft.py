@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sluiceway.flows.cli.flow import dispatch
+from sluiceway.flows.cli.flow import FlowCommand
 from sluiceway.flows.cli.parser import add_config_command, configured
 
 
@@ -11,5 +11,5 @@ def add_parser(sub) -> None:
                        hidden=("reward", "replay"))  # fmt: skip
 
 
-def run(args) -> int:
-    return dispatch("sft", configured(args))  # `configured` sets --loss-type sft_loss unless given
+def run(args) -> FlowCommand:
+    return FlowCommand("sft", configured(args))  # `configured` sets --loss-type sft_loss unless given

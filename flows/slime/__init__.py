@@ -19,7 +19,6 @@ from sluiceway.flows.slime.translate import (
     check_architecture,
     classify,
     describe,
-    log_pending,
     report,
     take,
 )
@@ -27,6 +26,6 @@ from sluiceway.flows.slime.treatments import ARCHITECTURE, IMPLEMENTED, MAPPED, 
 
 __all__ = [
     "ARCHITECTURE", "IMPLEMENTED", "MAPPED", "NOT_APPLICABLE", "REFUSED", "SLIME_FLAGS", "Given", "add_arguments",
-    "add_help_flag", "check_architecture", "classify", "describe", "log_pending", "read_slime_script", "report",
+    "add_help_flag", "check_architecture", "classify", "describe", "read_slime_script", "report",
     "splice_slime_script", "take",
 ]  # fmt: skip

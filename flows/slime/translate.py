@@ -5,7 +5,6 @@ run logs once about what each became."""
 from __future__ import annotations
 
 import argparse
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,11 +12,11 @@ from typing import Any
 from sluiceway.flows.slime.architecture import hf_config_of
 from sluiceway.flows.slime.flag_table import SLIME_FLAGS
 from sluiceway.flows.slime.treatments import ARCHITECTURE, IMPLEMENTED, NOT_APPLICABLE, REFUSED
+from sluiceway.infra import held_lines
 from sluiceway.infra.errors import UserError
 
 DEST = "slime:"  # argparse dest prefix of these flags (no dot: the CLI's config overrides are `group.field`)
 
-log = logging.getLogger("sluiceway.slime")
 WHITENED_ESTIMATORS = ("ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")  # docs/algorithms.md
 
 # -- the CLI's side -----------------------------------------------------------------------------------------
@@ -257,9 +256,6 @@ def check_architecture(given: Given, hf_checkpoint: str) -> None:
                             f"has {says}")  # fmt: skip
 
 
-_PENDING: list[str] = []
-
-
 def report(given: Given, cfg) -> list[str]:
     """The lines the run logs once: flags not applicable here, and what the mapped ones became."""
     hf_checkpoint = cfg.training.hf_checkpoint
@@ -279,15 +275,8 @@ def report(given: Given, cfg) -> list[str]:
     arch = given.of_kind(ARCHITECTURE)
     if arch:
         lines.append(f"slime architecture flags agree with {hf_checkpoint}'s config.json: " + ", ".join(arch))
-    _PENDING[:] = lines
+    held_lines.replace("slime", lines)  # logged once the run starts (infra/held_lines.py)
     return lines
-
-
-def log_pending() -> None:
-    """Called once the run's logging is configured (flows/cli/flow.py `dispatch`)."""
-    for line in _PENDING:
-        log.info(line)
-    _PENDING.clear()
 
 
 def classify(flag: str) -> str | None:

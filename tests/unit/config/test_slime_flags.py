@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from sluiceway.flows import cli, slime
-from sluiceway.flows.slime import docs, translate
+from sluiceway.flows.slime import docs
 from sluiceway.flows.slime.script import read_slime_script
+from sluiceway.infra import held_lines
 from sluiceway.infra.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -60,16 +61,16 @@ def test_every_flag_of_slimes_scripts_is_accepted(name, capsys):
     rc, err = run_config([*words, "--hf-checkpoint", str(CONFIGS / SCRIPTS[name][1])], capsys)
     assert rc == 0, err
     assert err == ""
-    report = "\n".join(translate._PENDING)
+    report = "\n".join(held_lines.held("slime"))
     flags = {line[0] for line in lines}
     for flag in flags:
         kind = slime.classify(flag)
         if kind == slime.NOT_APPLICABLE:  # reported, once, in the line the run logs
-            (na_line,) = [x for x in translate._PENDING if "not applicable" in x]
+            (na_line,) = [x for x in held_lines.held("slime") if "not applicable" in x]
             assert flag in na_line
         elif kind == slime.ARCHITECTURE:
             assert flag in report
-    assert sum("not applicable" in x for x in translate._PENDING) <= 1
+    assert sum("not applicable" in x for x in held_lines.held("slime")) <= 1
 
 
 def test_counts_over_the_six_scripts():
@@ -118,7 +119,7 @@ def test_a_slime_command_line_gets_slimes_defaults(capsys):
     assert cfg["training"]["lr_decay_style"] == "constant"  # given by the script
     assert cfg["resources"]["actor_num_gpus_per_node"] == 4  # 16 GPUs at TP 2 x PP 2 x CP 2: DP 2 at TP 2
     assert cfg["sync"]["update_weight_mode"] == "delta"
-    assert any("Megatron's default 0.1" in line for line in translate._PENDING)
+    assert any("Megatron's default 0.1" in line for line in held_lines.held("slime"))
     capsys.readouterr()
     assert cli.main(["config", *words, "--calculate-per-token-loss", "--rollout-temperature", "0.7",
                      "--hf-checkpoint", str(CONFIGS / "GLM-4.7-Flash")]) == 0  # fmt: skip
