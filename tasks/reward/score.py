@@ -21,15 +21,11 @@ import inspect
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sluiceway.infra.errors import Fault
 from sluiceway.storage.trajectories import is_finished, read_trajectories, set_rewards
 from sluiceway.tasks.reward.verifiers.shaping import length_penalty
-
-# Scorer threads that time out cannot be killed (Python threads); they finish in the background while the
-# step goes on. Code execution runs in a sandboxed process with its own limits for that reason.
-_POOL = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="sluiceway-reward")
 
 
 @dataclass
@@ -40,6 +36,15 @@ class RewardSettings:
     reward_key: str | None = None
     length_budget: int | None = None  # shaping: full reward up to this many response tokens...
     length_window: int = 256  # ...then linearly down to 0 at budget + window
+    # The threads the scorer runs on, made at the first score. A scorer thread that times out cannot be killed
+    # (Python threads): it finishes in the background while the step goes on. Code execution runs in a sandboxed
+    # process with its own limits for that reason.
+    _threads: cf.ThreadPoolExecutor | None = field(default=None, init=False, repr=False, compare=False)
+
+    def threads(self) -> cf.ThreadPoolExecutor:
+        if self._threads is None:
+            self._threads = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="sluiceway-reward")
+        return self._threads
 
 
 def as_reward(out, reward_key: str | None) -> tuple[float, dict]:
@@ -96,7 +101,7 @@ def _score(rows: list[dict], s: RewardSettings) -> list[tuple[float, dict]]:
         out: list[tuple[float, dict]] = [(0.0, {})] * len(rows)
         for idx in groups.values():
             members = [rows[i] for i in idx]
-            fut = _POOL.submit(
+            fut = s.threads().submit(
                 _call, s.scorer, [m["response_text"] for m in members], [m["label"] for m in members], members
             )
             try:
@@ -111,7 +116,7 @@ def _score(rows: list[dict], s: RewardSettings) -> list[tuple[float, dict]]:
             for i, x in zip(idx, scored):
                 out[i] = x
         return out
-    futures = [_POOL.submit(_call, s.scorer, r["response_text"], r["label"], r) for r in rows]
+    futures = [s.threads().submit(_call, s.scorer, r["response_text"], r["label"], r) for r in rows]
     out = []
     for fut in futures:
         try:
