@@ -12,7 +12,7 @@ from pathlib import Path
 
 from sluiceway.flows.config import RunConfig
 from sluiceway.flows.live_run import LiveRun
-from sluiceway.infra.prefect_env import configure_prefect, wait_for_api_server
+from sluiceway.infra.prefect_env import ApiServer, configure_prefect
 from sluiceway.infra.proc import note_run_log, register_secret_env
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -183,14 +183,15 @@ def _append_whole(path: Path, text: str) -> bool:
         os.close(fd)
 
 
-def _configure(cfg: RunConfig) -> None:
+def _configure(cfg: RunConfig) -> ApiServer | None:
     if cfg.reward.rm_api_key_env:  # before any child process starts: none of them gets the key (infra/proc.py)
         register_secret_env(cfg.reward.rm_api_key_env)
-    configure_prefect(cfg.storage.output_dir, wait=False)  # it boots while the imports and checks run
+    server = configure_prefect(cfg.storage.output_dir, wait=False)  # it boots while the imports and checks run
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is fetched from a hub at run time
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     configure_logging(cfg)
+    return server
 
 
 def _start_engines_early(cfg: RunConfig):
@@ -233,14 +234,15 @@ def run_flow(live: LiveRun) -> dict:
     (`sluiceway run`), the preflight (everything a user can get wrong: data files, scorer, model name, prompt
     lengths: one line rather than a failed flow run), then the flow, which takes what was prepared."""
     cfg = live.cfg
-    _configure(cfg)
+    server = _configure(cfg)
     if live.command == "run":
         live.early_engines = _start_engines_early(cfg)
     prepare, flow, done = FLOWS[live.command]
     prepare, flow = _flows_attr(prepare), _flows_attr(flow)
     configure_logging(cfg)  # again: importing Prefect replaced the root logger's handlers
     live.prepared = prepare(cfg)
-    wait_for_api_server()
+    if server is not None:
+        server.wait()
     result = flow(cfg.model_dump(mode="json"))
     if not cfg.logging.quiet:
         print(done.format(**result))

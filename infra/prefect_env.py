@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from contextlib import closing
+from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
@@ -29,10 +30,10 @@ from sluiceway.infra.router import stop_process_group
 START_TIMEOUT_S = 180.0
 
 
-def configure_prefect(run_dir: str | Path, wait: bool = True) -> Path:
-    """Prefect's settings for a run in `run_dir`, and the embedded API server unless one is configured. With
-    `wait` False the server starts while the caller goes on (imports, checks: it takes seconds to boot);
-    `wait_for_api_server` must come before the first flow."""
+def configure_prefect(run_dir: str | Path, wait: bool = True) -> ApiServer | None:
+    """Prefect's settings for a run in `run_dir`, and the embedded API server unless one is configured (then
+    None). With `wait` False the server starts while the caller goes on (imports, checks: it takes seconds to
+    boot); its `wait` must come before the first flow."""
     home = Path(run_dir).resolve() / "prefect"
     home.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PREFECT_HOME", str(home))
@@ -43,16 +44,53 @@ def configure_prefect(run_dir: str | Path, wait: bool = True) -> Path:
     # flow see what already ran.
     os.environ.setdefault("PREFECT_RESULTS_PERSIST_BY_DEFAULT", "true")
     os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(home / "results"))
-    if not os.environ.get("PREFECT_API_URL"):
-        os.environ["PREFECT_API_URL"] = start_api_server(home, wait=wait)
-    return home
+    if os.environ.get("PREFECT_API_URL"):
+        return None
+    server = start_api_server(home, wait=wait)
+    os.environ["PREFECT_API_URL"] = server.url
+    return server
 
 
-_starting: list[tuple[subprocess.Popen, str, str, float, float, Path | None]] = []  # servers started with wait=False
+@dataclass
+class ApiServer:
+    """An embedded Prefect API server this process started, and what `wait` needs to see it healthy."""
+
+    proc: subprocess.Popen
+    url: str
+    log_name: str
+    deadline: float  # time.monotonic() by which it must answer
+    timeout_s: float
+    save_template: Path | None  # its database, to keep as the template once it is up (a fresh home's first start)
+    ready: bool = False
+
+    def wait(self) -> None:
+        """Block until the server answers its health check (once; later calls return at once)."""
+        # One client for all polls: a new one per poll builds an SSL context each time, CPU the booting server needs.
+        with httpx.Client(timeout=2.0) as http:
+            while not self.ready:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"the embedded Prefect API server exited with {self.proc.returncode}; see {self.log_name}"
+                    )
+                try:
+                    if http.get(f"{self.url}/health").status_code == 200:
+                        self.ready = True
+                        if self.save_template is not None:
+                            _save_template(self.save_template)
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > self.deadline:
+                    stop_process_group(self.proc)
+                    raise RuntimeError(
+                        f"the embedded Prefect API server did not start within {self.timeout_s:.0f}s; "
+                        f"see {self.log_name}"
+                    )
+                time.sleep(0.2)
 
 
-def start_api_server(home: Path, timeout_s: float = START_TIMEOUT_S, wait: bool = True) -> str:
-    """Prefect's API (no UI) on a loopback port, as a child that dies with this process; returns its URL.
+def start_api_server(home: Path, timeout_s: float = START_TIMEOUT_S, wait: bool = True) -> ApiServer:
+    """Prefect's API (no UI) on a loopback port, as a child that dies with this process.
 
     A new home's database starts as a copy of a migrated one from the cache (see `_template_db`)."""
     template, db = _template_db(), home / "prefect.db"
@@ -71,38 +109,12 @@ def start_api_server(home: Path, timeout_s: float = START_TIMEOUT_S, wait: bool 
         start_new_session=True, preexec_fn=die_with_parent,
     )  # fmt: skip
     atexit.register(stop_process_group, proc)
-    url = f"http://127.0.0.1:{port}/api"
     save_template = fresh and not template.exists()
-    _starting.append((proc, url, log.name, time.monotonic() + timeout_s, timeout_s, db if save_template else None))
+    server = ApiServer(proc, f"http://127.0.0.1:{port}/api", log.name, time.monotonic() + timeout_s, timeout_s,
+                       db if save_template else None)  # fmt: skip
     if wait:
-        wait_for_api_server()
-    return url
-
-
-def wait_for_api_server() -> None:
-    """Block until every API server started by `start_api_server` answers its health check."""
-    # One client for all polls: a new one per poll builds an SSL context each time, CPU the booting server needs.
-    with httpx.Client(timeout=2.0) as http:
-        while _starting:
-            proc, url, log_name, deadline, timeout_s, save_template = _starting[0]
-            if proc.poll() is not None:
-                _starting.pop(0)
-                raise RuntimeError(f"the embedded Prefect API server exited with {proc.returncode}; see {log_name}")
-            try:
-                if http.get(f"{url}/health").status_code == 200:
-                    _starting.pop(0)
-                    if save_template is not None:
-                        _save_template(save_template)
-                    continue
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                _starting.pop(0)
-                stop_process_group(proc)
-                raise RuntimeError(
-                    f"the embedded Prefect API server did not start within {timeout_s:.0f}s; see {log_name}"
-                )
-            time.sleep(0.2)
+        server.wait()
+    return server
 
 
 def _template_db() -> Path:

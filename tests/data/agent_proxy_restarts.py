@@ -11,10 +11,9 @@ import threading
 
 from prefect import flow, get_run_logger
 
-from sluiceway.infra.prefect_env import configure_prefect, wait_for_api_server
+from sluiceway.infra.prefect_env import configure_prefect
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
-from sluiceway.tasks.rollout import agent_proxy
-from sluiceway.tasks.rollout.agent_proxy import AgentGenerate
+from sluiceway.tasks.rollout.agent.proxy import AgentGenerate, proxy
 from sluiceway.tasks.rollout.client import GenerateResult
 from sluiceway.tasks.rollout.multiturn import GenerateContext
 from sluiceway.tasks.rollout.rollout import PromptItem
@@ -80,7 +79,7 @@ def restarts(rounds: int) -> int:
             item = PromptItem(f"p{k}", "What is 2+2?", tok.encode("What is 2+2?"), "4", {}, "What is 2+2?")
             res = asyncio.run(AgentGenerate(fn)(ctx, item, {"max_new_tokens": 32, "stop_token_ids": []}))
             assert res.abort_reason is None and res.reward == 1.0, (fn.__name__, res.abort_reason)
-            agent_proxy.proxy().stop()
+            proxy().stop()
             log.info("round %d done", k)
             done += 1
     finally:
@@ -89,6 +88,5 @@ def restarts(rounds: int) -> int:
 
 
 if __name__ == "__main__":
-    configure_prefect(sys.argv[1])
-    wait_for_api_server()
+    configure_prefect(sys.argv[1])  # waits for the server
     print("done", restarts(int(sys.argv[2])), flush=True)
