@@ -182,7 +182,7 @@ def one_run(args, name: str, work: Path) -> dict:
     engines: dict[int, int] = {}
     while proc.poll() is None:
         for p in descendants(proc.pid):
-            if p not in engines:  # embedded engines: `sluiceway.flows.cli engine ...` (infra/pool.py)
+            if p not in engines:  # embedded engines: `sluiceway.flows.cli engine ...` (infra/engine_group.py)
                 try:
                     argv = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
                 except OSError:

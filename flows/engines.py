@@ -1,5 +1,6 @@
-"""The rollout engines of a run: embedded engines and/or external ones, behind one sglang-router, and the remote
-pools beside them (fixed ones, and the pool registry's: tasks/rollout/pool_directory.py).
+"""The rollout engines of a run: embedded engines and/or external ones, behind one sglang-router (an engine group:
+infra/engine_group.py), and the remote pools beside them (fixed ones and the pool registry's, in one
+directory: tasks/rollout/pool_directory.py); each step's rollout gets them as one dispatcher.
 
 Generation goes through the router; control calls (abort, pause, weight updates) go to each engine, because
 the router does not forward them. The async client lives on a private loop so synchronous Prefect tasks
@@ -9,21 +10,21 @@ no engine: ``client`` is None, and the remote pools do all the generating.
 
 from __future__ import annotations
 
-import functools
 import logging
 from pathlib import Path
 
 from sluiceway.flows.config import RunConfig
 from sluiceway.flows.preflight import engine_max_total_len
 from sluiceway.infra.aio import BackgroundLoop
-from sluiceway.infra.engine_fleet import EngineFleet, start_scoring_engine
+from sluiceway.infra.engine_fleet import EngineFleet, FleetSettings, start_scoring_engine
 from sluiceway.models.lora import is_adapter_dir, lora_server_args
 from sluiceway.storage.object_store import ObjectStore
-from sluiceway.storage.weights import WeightStore
 from sluiceway.storage.weights.pool_registry import PoolRegistry
+from sluiceway.storage.weights.store import WeightStore
 from sluiceway.tasks.rollout.client import EngineClient
-from sluiceway.tasks.rollout.dispatch import PoolTarget
-from sluiceway.tasks.rollout.pool_directory import PoolDirectory
+from sluiceway.tasks.rollout.dispatch import PoolDispatcher
+from sluiceway.tasks.rollout.pool_directory import FixedPool, PoolDirectory
+from sluiceway.tasks.rollout.pool_target import own_engines
 
 log = logging.getLogger("sluiceway")
 
@@ -42,11 +43,10 @@ class RolloutEngines:
         # eval's responses may be longer than training's: engine_max_total_len
         self.fleet = None
         if cfg.has_own_engines:
-            self.fleet = EngineFleet(
-                cfg, model_dir, log_dir, weight_version, engine_max_total_len(cfg), lora_server_args(cfg)
-            )
-        self.pool = self.fleet.pool if self.fleet is not None else None
-        self.cfg, self.loop, self.client, self.remote, self.directory = cfg, None, None, [], None
+            self.fleet = EngineFleet(fleet_settings(cfg), model_dir, log_dir, weight_version,
+                                     engine_max_total_len(cfg), lora_server_args(cfg))  # fmt: skip
+        self.group = self.fleet.group if self.fleet is not None else None
+        self.cfg, self.loop, self.client, self.directory = cfg, None, None, None
         self.weight_version = weight_version  # what the engines serve; set after each update
         # SGLang engines take LoRA adapter versions through their LoRA endpoints (the embedded engine merges them
         # on /update_weights_from_disk; it also has the endpoints: tests/integration/test_lora_endpoints.py).
@@ -62,56 +62,60 @@ class RolloutEngines:
             self.fleet.wait_ready()
         self.loop = BackgroundLoop()
         if self.fleet is not None:
-            self.client = self.loop.run(self._make_client(self.fleet.router.url, self.pool.urls))
-        self.remote = self._remote_pools(self.cfg)
+            self.client = self.loop.run(self._make_client(self.fleet.router.url, self.group.urls))
         self.directory = self._pool_directory(self.cfg)
         return self
 
     async def _make_client(self, router_url: str, engine_urls: list[str]) -> EngineClient:
         return EngineClient(router_url, engine_urls)  # created on the loop that will use it
 
-    def _remote_pools(self, cfg: RunConfig) -> list[PoolTarget]:
-        """Remote pools: generation through their routers; what they serve, from their agents' reports."""
-        if not cfg.remote_pools:
-            return []
-        wstore = WeightStore(ObjectStore.from_uri(cfg.weights_uri, cfg.storage.s3_endpoint_url, cfg.storage.s3_region))
-        targets = []
-        for name, url in cfg.remote_pools:
-            # No engine URLs: control calls (abort, weight updates) are the pool's own business.
-            client = self.loop.run(self._make_client(url, []))
-            targets.append(PoolTarget(name, client, cfg.rollout.rollout_max_concurrency,
-                                      read_version=functools.partial(reported_version, wstore, name)))  # fmt: skip
-        log.info("remote pools: %s (weight store %s)", ", ".join(n for n, _ in cfg.remote_pools), wstore)
-        return targets
-
     def _pool_directory(self, cfg: RunConfig) -> PoolDirectory | None:
-        """The pools registered beside the weight store(s) of --rollout-pools auto / a registry URI."""
-        if not cfg.pool_registry_uris:
+        """The remote pools: fixed --rollout-pools NAME=URL ones, whose agents report what they serve in the
+        registry beside the run's weight store, and those registered beside the weight store(s) of
+        --rollout-pools auto / a registry URI."""
+        if not cfg.remote_pools and not cfg.pool_registry_uris:
             return None
         s = cfg.storage
-        registries = [PoolRegistry(WeightStore(ObjectStore.from_uri(u, s.s3_endpoint_url, s.s3_region)))
-                      for u in cfg.pool_registry_uris]  # fmt: skip
-        log.info("pools: those registered in %s", ", ".join(map(repr, registries)))
-        # Made on the loop that generates (the dispatcher reads the registry there).
-        return PoolDirectory(registries, lambda url: EngineClient(url, []), cfg.rollout.rollout_max_concurrency)
+
+        def registry(uri: str) -> PoolRegistry:
+            return PoolRegistry(WeightStore(ObjectStore.from_uri(uri, s.s3_endpoint_url, s.s3_region)))
+
+        fixed = []
+        if cfg.remote_pools:
+            reports = registry(cfg.weights_uri)
+            # No engine URLs for their clients: control calls (abort, weight updates) are the pool's own business.
+            fixed = [FixedPool(name, url, reports) for name, url in cfg.remote_pools]
+            log.info("remote pools: %s (weight store %s)", ", ".join(n for n, _ in cfg.remote_pools), reports.wstore)
+        registries = [registry(u) for u in cfg.pool_registry_uris]
+        if registries:
+            log.info("pools: those registered in %s", ", ".join(map(repr, registries)))
+        # Clients are made on the loop that generates (the dispatcher reads the directory there).
+        return PoolDirectory(registries, lambda url: EngineClient(url, []), cfg.rollout.rollout_max_concurrency,
+                             fixed=fixed)  # fmt: skip
+
+    def dispatcher(self, capacity: int, min_version: int | None) -> PoolDispatcher:
+        """One step's pools: the run's own engines (``capacity`` samples at once) and the remote pools, which take
+        groups while they serve ``min_version`` or newer."""
+        own = [own_engines(self.client, capacity)] if self.client is not None else []
+        return PoolDispatcher(own, min_version, directory=self.directory)
 
     @property
     def has_pools(self) -> bool:
-        return bool(self.remote) or self.directory is not None
+        return self.directory is not None
 
     def run(self, coro):
         return self.loop.run(coro)
 
     def prune_dead(self) -> list[str]:
-        """Drop engines that died from the pool, the router and the client; the run goes on with the rest."""
-        if self.pool is None:  # no engines of its own
+        """Drop engines that died from the group, the router and the client; the run goes on with the rest."""
+        if self.group is None:  # no engines of its own
             return []
-        dead = self.pool.check()
+        dead = self.group.check()
         for url in dead:
             self.client.remove_engine(url)
-            log.warning("engine %s is dead and left the pool (%d left)", url, len(self.pool.urls))
-        if not self.pool.urls:
-            raise RuntimeError(f"every rollout engine is dead; see the logs in {self.pool.log_dir}")
+            log.warning("engine %s is dead and left the run's engines (%d left)", url, len(self.group.urls))
+        if not self.group.urls:
+            raise RuntimeError(f"every rollout engine is dead; see the logs in {self.group.log_dir}")
         return dead
 
     def update_weights(self, model_dir: Path, version: int) -> None:
@@ -133,8 +137,6 @@ class RolloutEngines:
         self._closed = True
         try:
             if self.loop is not None:  # None: closed before wait_ready
-                for t in self.remote:
-                    self.run(t.client.aclose())
                 if self.directory is not None:
                     self.run(self.directory.aclose())
                 if self.client is not None:
@@ -146,13 +148,23 @@ class RolloutEngines:
                 self.fleet.close()
 
 
-def reported_version(wstore: WeightStore, name: str) -> int | None:
-    """The oldest version pool ``name``'s engines serve, as its agent last reported (None: no report yet)."""
-    status = wstore.pool_status(name)
-    if status is None:
-        return None
-    v = status.get("serving", status.get("version"))
-    return int(v) if v is not None else None
+def fleet_settings(cfg: RunConfig) -> FleetSettings:
+    """The settings the run's engines start with, as infra/engine_fleet.py takes them."""
+    r, res = cfg.rollout, cfg.resources
+    return FleetSettings(
+        rollout_engine=r.rollout_engine,
+        num_engines=r.rollout_num_engines,
+        external_urls=tuple(r.rollout_external_engine_addrs or ()),
+        engine_num_threads=r.engine_num_threads,
+        num_threads=res.num_threads,
+        max_running_requests=r.engine_max_running_requests,
+        sglang_server_args=tuple(r.sglang_server_args or ()),
+        gpus_per_engine=r.rollout_num_gpus_per_engine,
+        num_gpus=r.rollout_num_gpus,
+        ray_address=res.ray_address,
+        bf16=bool(cfg.training.bf16),
+        seed=cfg.training.seed,
+    )
 
 
 class TeacherEngine:
@@ -164,21 +176,22 @@ class TeacherEngine:
 
     def __init__(self, cfg: RunConfig, run_dir: Path):
         opd = cfg.algorithm.opd
-        self.pool, self.loop, self.client = None, None, None
+        self.group, self.loop, self.client = None, None, None
         self.url = opd.teacher_url
         if self.url is None:
             from sluiceway.models.zoo import resolve_checkpoint
 
             model = str(resolve_checkpoint(opd.teacher_load))
-            self.pool = start_scoring_engine(cfg, model, run_dir / "logs" / "teacher", engine_max_total_len(cfg))
+            logs = run_dir / "logs" / "teacher"
+            self.group = start_scoring_engine(fleet_settings(cfg), model, logs, engine_max_total_len(cfg))
 
     def wait_ready(self, loop: BackgroundLoop) -> TeacherEngine:
         if self.client is not None:
             return self
         self.loop = loop
-        if self.pool is not None:
-            self.pool.wait_ready()
-            self.url = self.pool.urls[0]
+        if self.group is not None:
+            self.group.wait_ready()
+            self.url = self.group.urls[0]
         self.client = self.loop.run(self._make_client(self.url))
         log.info("on-policy distillation teacher: %s", self.url)
         return self
@@ -191,5 +204,5 @@ class TeacherEngine:
             if self.client is not None:
                 self.loop.run(self.client.aclose())
         finally:
-            if self.pool is not None:
-                self.pool.close()
+            if self.group is not None:
+                self.group.close()

@@ -30,14 +30,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sluiceway.flows.config import format_validation_error
+from sluiceway.infra.engine_group import EngineGroup
 from sluiceway.infra.errors import UserError
-from sluiceway.infra.pool import EnginePool
 from sluiceway.infra.pool_agent import PoolAgent
 from sluiceway.infra.router import SGLangRouter
 from sluiceway.infra.s3_server import SeaweedS3
 from sluiceway.storage.object_store import ObjectStore
-from sluiceway.storage.weights import WeightStore
 from sluiceway.storage.weights.pool_registry import PoolRegistry
+from sluiceway.storage.weights.store import WeightStore
 
 
 class _Spec(BaseModel):
@@ -93,7 +93,7 @@ def load_pools(path: str | Path) -> PoolsFile:
 class LocalPool:
     spec: PoolSpec
     router: SGLangRouter
-    engines: EnginePool
+    engines: EngineGroup
     agent: PoolAgent
     close: Callable[[], None]  # stops the agent, the engines and the router (once drained, or at exit)
 
@@ -120,7 +120,8 @@ def local_pool(
     with contextlib.ExitStack() as stack:
         router = SGLangRouter(logs, health_check_interval_s=2, host=spec.host, port=spec.router_port)
         stack.enter_context(router)
-        engines = EnginePool(model, spec.num_engines, logs, router=router, env=env, engine_args=tuple(spec.engine_args))
+        engines = EngineGroup(model, spec.num_engines, logs, router=router, env=env,
+                              engine_args=tuple(spec.engine_args))  # fmt: skip
         stack.callback(engines.close)
         engines.spawn()
         agent = PoolAgent(spec.name, wstore, lambda: engines.urls, pool_dir / "agent", region=spec.region,

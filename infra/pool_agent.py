@@ -46,9 +46,11 @@ from pathlib import Path
 
 import httpx
 
-from sluiceway.storage.weights import WeightStore, WeightSyncError, local_version, materialize
 from sluiceway.storage.weights.checksums import checksums_problem
-from sluiceway.storage.weights.pool_registry import DRAINING, SERVING, PoolRegistry
+from sluiceway.storage.weights.errors import WeightSyncError
+from sluiceway.storage.weights.materialize import local_version, materialize
+from sluiceway.storage.weights.pool_registry import DRAINING, SERVING, PoolRecord, PoolRegistry
+from sluiceway.storage.weights.store import WeightStore
 
 log = logging.getLogger("sluiceway.pools")
 
@@ -295,7 +297,8 @@ class PoolAgent:
                 return
             self._beat += 1
             try:
-                self.registry.write(status | {"beat": self._beat, "updated_unix": time.time()})
+                record = PoolRecord.model_validate(status | {"beat": self._beat, "updated_unix": time.time()})
+                self.registry.write(record)
             except OSError as exc:  # the store is unreachable for now: the pool still serves; next poll tries again
                 log.warning("pool %s: could not report status to %s: %s", self.name, self.wstore, exc)
                 return

@@ -2,9 +2,10 @@
 
 The engine listens on its node's address (the run's router, on the flow's machine, must reach it) on a port the OS
 picked; the run attaches the URLs like `--rollout-external-engine-addrs`, so routing, health checks and weight
-updates are the pool's as for any engine (infra/pool.py). Weight versions are loaded from a path, which on a
-multi-node cluster must be a shared volume, or pulled as deltas by a pool agent (docs/deploy.md). An engine dies
-with its actor (parent-death signal), and the actors with the flow's process (Ray removes a dead owner's actors).
+updates are the engine group's as for any engine (infra/engine_group.py). Weight versions are loaded from a path,
+which on a multi-node cluster must be a shared volume, or pulled as deltas by a pool agent (docs/deploy.md). An
+engine dies with its actor (parent-death signal), and the actors with the flow's process (Ray removes a dead
+owner's actors).
 """
 
 from __future__ import annotations

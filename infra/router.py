@@ -23,7 +23,7 @@ Facts measured on 0.3.2 with a stub worker (they shape the code below):
 - Health: every ``--health-check-interval-secs`` (default 60) it GETs ``/health``; after
   ``--health-failure-threshold`` misses the worker is marked ``is_healthy: false`` and skipped, but it is NOT
   removed (it comes back healthy after ``--health-success-threshold`` good checks). Removal is our job
-  (:class:`sluiceway.infra.pool.EnginePool.check`).
+  (:class:`sluiceway.infra.engine_group.EngineGroup.check`).
 - Retries: a connection refused, a connection dropped mid-request (worker SIGKILLed) or a 5xx from a worker is
   retried on another worker with the same body, so the same ``rid`` (up to ``--retry-max-retries``, default 5,
   exponential backoff from 50 ms); a dead engine may thus have seen a request another one answers. 4xx passes
@@ -31,8 +31,8 @@ Facts measured on 0.3.2 with a stub worker (they shape the code below):
 - Circuit breaker: every non-2xx answer, 4xx included, counts as a worker failure; after
   ``--cb-failure-threshold`` (10) the worker is skipped for ``--cb-timeout-duration-secs`` (60 s) and, once all
   are, every request gets 503. Ten bad requests (say, prompts over the context length) would take a healthy
-  pool down for a minute, so it is off by default here (``circuit_breaker=False``): dead engines are still
-  skipped by the health checks and retried around, and ``EnginePool.check`` removes them.
+  group down for a minute, so it is off by default here (``circuit_breaker=False``): dead engines are still
+  skipped by the health checks and retried around, and ``EngineGroup.check`` removes them.
 - ``/generate`` is parsed into a typed request and re-serialised: ``input_ids``, ``text``, ``rid``,
   ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``, ``stream`` and the common
   ``sampling_params`` (temperature, top_p, top_k, min_p, max_new_tokens, min_new_tokens, stop, stop_token_ids,

@@ -1,7 +1,7 @@
 """SGLang servers on GPUs: the command line for one `sglang.launch_server` built from the run config.
 
 SGLang is CUDA-only and never installed on CPU machines (the `gpu` extra brings it). The server it starts
-speaks the same HTTP API as `sluiceway engine`, so `EnginePool`, the router and `EngineClient` treat both
+speaks the same HTTP API as `sluiceway engine`, so `EngineGroup`, the router and `EngineClient` treat both
 alike; only the command differs. `--sglang-X value` flags of `sluiceway run` reach the server as `--X value`.
 """
 

@@ -2,7 +2,7 @@
 
 import os
 
-from sluiceway.infra.pool import EnginePool
+from sluiceway.infra.engine_group import EngineGroup
 from sluiceway.infra.router import SGLangRouter
 from sluiceway.tasks.environments.arithmetic import generate as arithmetic
 from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings
@@ -33,7 +33,7 @@ def settings(**kw) -> RolloutSettings:
 def start_stack(tmp, model_dir, n_engines):
     router = SGLangRouter(tmp / "logs").start()
     env = dict(os.environ, SLUICEWAY_CACHE=str(model_dir.parent.parent))
-    pool = EnginePool(
+    pool = EngineGroup(
         str(model_dir),
         n_engines,
         tmp / "logs",

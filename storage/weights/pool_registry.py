@@ -14,6 +14,9 @@ state ("serving" or "draining"), the versions its engines serve, and the heartbe
 ``heartbeat_s`` says how often one comes at the least. A reader judges liveness by whether ``beat`` moved on its
 own clock (so clocks of different datacenters need not agree); ``updated_unix`` only lets a reader skip a record
 left behind long ago by a pool that died without deregistering.
+
+This module alone reads and writes ``pools/``, and only as `PoolRecord`s: the agent writes one, a run reads them
+(every record for `--rollout-pools auto`, one pool's for a fixed `NAME=URL` pool), `sluiceway pools` lists them.
 """
 
 from __future__ import annotations
@@ -47,6 +50,12 @@ class PoolRecord(BaseModel):
     heartbeat_s: float = 30.0
     updated_unix: float | None = None
 
+    @property
+    def serves(self) -> int | None:
+        """The version a run must assume of a request sent anywhere in the pool: the oldest any engine serves,
+        else (a record without ``serving``) the one every engine serves; None: not known."""
+        return self.serving if self.serving is not None else self.version
+
 
 class PoolRegistry:
     """The records of the pools serving one weight store."""
@@ -58,8 +67,12 @@ class PoolRegistry:
     def __repr__(self) -> str:
         return f"PoolRegistry({self.wstore.uri})"
 
-    def write(self, record: dict) -> None:
-        self.wstore.write_pool_status(record["pool"], record)
+    def write(self, record: PoolRecord) -> None:
+        """Register pool ``record.pool``, or rewrite its record (a change, a heartbeat)."""
+        ws = self.wstore
+        with ws.store.redacting():
+            ws.fs.makedirs(ws.path("pools"), exist_ok=True)
+            ws.put_text(ws.path("pools", f"{record.pool}.json"), record.model_dump_json())
 
     def remove(self, name: str) -> None:
         """Deregister: the record and any drain request go."""
@@ -83,17 +96,31 @@ class PoolRegistry:
                 return out
             for file in sorted(n for n in names if n.endswith(".json")):
                 name = file.removesuffix(".json")
-                try:
-                    raw = json.loads(ws.fs.cat_file(ws.path("pools", file)))
-                    out[name] = PoolRecord.model_validate(raw)
-                except FileNotFoundError:  # deregistered between the listing and the read
-                    continue
-                except (ValueError, ValidationError) as exc:
-                    if name not in self._bad:
-                        self._bad.add(name)
-                        log.warning("pool registry %s: record %s is not a pool record (%s); skipped",
-                                    ws.uri, file, str(exc).splitlines()[0])  # fmt: skip
+                if (record := self._read(name)) is not None:
+                    out[name] = record
         return out
+
+    def record(self, name: str) -> PoolRecord | None:
+        """Pool ``name``'s record, or None while it has none (or an unreadable one): one read, no listing (a
+        fixed `NAME=URL` pool's, read at every refresh of a run)."""
+        ws = self.wstore
+        with ws.store.redacting():
+            ws.fs.invalidate_cache(ws.path("pools"))
+            return self._read(name)
+
+    def _read(self, name: str) -> PoolRecord | None:
+        ws = self.wstore
+        file = f"{name}.json"
+        try:
+            return PoolRecord.model_validate(json.loads(ws.fs.cat_file(ws.path("pools", file))))
+        except FileNotFoundError:  # not registered, or deregistered between a listing and the read
+            return None
+        except (ValueError, ValidationError) as exc:
+            if name not in self._bad:
+                self._bad.add(name)
+                log.warning("pool registry %s: record %s is not a pool record (%s); skipped",
+                            ws.uri, file, str(exc).splitlines()[0])  # fmt: skip
+            return None
 
     # -- drain requests ---------------------------------------------------------------------------------------
 
@@ -101,7 +128,7 @@ class PoolRegistry:
         ws = self.wstore
         with ws.store.redacting():
             ws.fs.makedirs(ws.path("pools"), exist_ok=True)
-            ws._put_text(ws.path("pools", f"{name}.drain"), json.dumps({"pool": name}))
+            ws.put_text(ws.path("pools", f"{name}.drain"), json.dumps({"pool": name}))
 
     def drain_requested(self, name: str) -> bool:
         """One GET (a 404 while no drain is asked: what every poll of a serving pool pays), not a HEAD and a LIST."""

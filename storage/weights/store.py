@@ -3,7 +3,7 @@
     <prefix>/v000010/{manifest.json, model.safetensors, config.json, tokenizer.json, ...}   a full version
     <prefix>/v000011/{manifest.json, delta.bin}                                           a delta against v10
     <prefix>/latest.json                                                                   {"version": 11, ...}
-    <prefix>/pools/east.json                                                  what pool "east" serves (its agent)
+    <prefix>/pools/                 the pool registry beside the versions (storage/weights/pool_registry.py owns it)
 
 A full version's directory is an HF model directory in itself. A version's files go up first and its manifest
 last, then the `latest.json` hint: a version without a manifest does not exist (it is a crashed upload) and
@@ -147,30 +147,13 @@ class WeightStore:
             self.fs.makedirs(self.version_path(v), exist_ok=True)
             for name, local in local_files.items():
                 self.fs.put_file(str(local), self.version_path(v, name))
-            self._put_text(self.version_path(v, MANIFEST), manifest.dumps())
+            self.put_text(self.version_path(v, MANIFEST), manifest.dumps())
             hint = {"version": v, "kind": manifest.kind, "full_version": manifest.full_version}
-            self._put_text(self.path("latest.json"), json.dumps(hint))
+            self.put_text(self.path("latest.json"), json.dumps(hint))
 
-    # -- what the pools report ----------------------------------------------------------------------------------
-    # A pool agent writes its status beside the versions it pulls, so a trainer in another datacenter learns
-    # which version each pool serves from the one place both already reach.
-
-    def write_pool_status(self, name: str, status: dict) -> None:
-        with self.store.redacting():
-            self.fs.makedirs(self.path("pools"), exist_ok=True)
-            self._put_text(self.path("pools", f"{name}.json"), json.dumps(status))
-
-    def pool_status(self, name: str) -> dict | None:
-        """The last status pool ``name`` reported, or None if it never did (or it is unreadable)."""
-        path = self.path("pools", f"{name}.json")
-        with self.store.redacting():
-            self.fs.invalidate_cache(self.path("pools"))
-            try:
-                return json.loads(self.fs.cat_file(path))
-            except (FileNotFoundError, ValueError):
-                return None
-
-    def _put_text(self, path: str, text: str) -> None:
+    def put_text(self, path: str, text: str) -> None:
+        """Write ``text`` at ``path`` (a path of ``self.fs``) whole: a reader sees the old text or the new, never
+        part of it (a manifest, the latest hint, a pool's record)."""
         if self.store.is_s3:  # an S3 PUT is atomic
             self.fs.pipe_file(path, text.encode())
             return

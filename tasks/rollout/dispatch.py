@@ -9,9 +9,10 @@ none: the run never waits for a slow pool while its own engines can do the work.
 
 The run's own engines ("local") always qualify: the flow updates them itself, before the step's rollout. A run
 may have none (`--rollout-num-engines 0` with pools): then nothing is hedged, and while no pool qualifies the
-dispatcher waits, saying once a minute what it waits for. Pools found in the pool registry
-(tasks/rollout/pool_directory.py) join and leave while the rollout runs: every refresh re-reads the registry; a
-draining or silent pool takes no new groups.
+dispatcher waits, saying once a minute what it waits for. The remote pools are those of the run's directory
+(tasks/rollout/pool_directory.py): fixed ones, and the pool registry's, which join and leave while the rollout
+runs. Every refresh reads the directory again (what each pool serves, who registered); a draining or silent pool
+takes no new groups.
 A remote pool that fails a request (its router unreachable, every engine gone) is benched for ``bench_s`` and
 its group goes to another pool. A remote pool that is merely slow is hedged: once no group waits for a pool, a
 remote group running twice as long as the median group is also started on the run's own engines, and the first
@@ -27,42 +28,16 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import TypeVar
 
-from sluiceway.tasks.rollout.client import EngineCallError, GenerateResult, WeightVersionRefused
-
-if TYPE_CHECKING:
-    from sluiceway.tasks.rollout.pool_directory import PoolDirectory
+from sluiceway.tasks.rollout.client import EngineCallError, WeightVersionRefused
+from sluiceway.tasks.rollout.pool_directory import PoolDirectory
+from sluiceway.tasks.rollout.pool_target import PoolTarget
 
 log = logging.getLogger("sluiceway")
 
-LOCAL = "local"
 T = TypeVar("T")
-
-
-class RolloutClient(Protocol):
-    """What the rollout needs of an engine client (tasks/rollout/client.py's EngineClient; a scripted fake in tests).
-
-    ``generate`` raises EngineCallError when the pool cannot answer (its router unreachable, every engine gone).
-    """
-
-    router_url: str  # names the engines that made a remote pool's rows
-
-    async def generate(
-        self,
-        input_ids: list[int],
-        sampling_params: dict,
-        rid: str,
-        return_logprob: bool = True,
-        routing_key: str | None = None,
-        min_weight_version: int | None = None,
-        max_weight_version: int | None = None,
-    ) -> GenerateResult: ...
-
-    async def abort_all(self) -> None:
-        """Every request in flight returns now with the tokens it has (finish_reason "abort")."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -73,23 +48,6 @@ class HedgePolicy:
     factor: float = 2.0
     min_s: float = 1.0
     poll_s: float = 0.2
-
-
-@dataclass
-class PoolTarget:
-    name: str
-    client: RolloutClient  # generate() through the pool's router
-    capacity: int  # samples in flight at once
-    local: bool = False  # the run's own engines: abortable, always current
-    # What the pool serves now (None: unknown); remote pools read their agent's report (a blocking call).
-    read_version: Callable[[], int | None] | None = None
-    version: int | None = None
-    in_flight: int = 0
-    benched_until: float = 0.0
-    draining: bool = False  # leaving: keeps its groups, takes no new ones (a registry pool)
-    silent: bool = False  # its heartbeat stopped (a registry pool)
-    gone: bool = False  # left the registry, or dropped from it
-    read_at: float = field(default=-1e9, repr=False)
 
 
 class PoolDispatcher:
@@ -108,8 +66,9 @@ class PoolDispatcher:
     ) -> None:
         if not targets and directory is None:
             raise ValueError("no pool to generate with")
-        self.fixed = targets  # the run's own engines and --rollout-pools NAME=URL pools
-        self.directory = directory
+        # The run's own engines (pool_target.own_engines), or any target that is neither read nor joins or leaves
+        # (tests give remote ones a set version); the remote pools are the directory's, fixed ones and registered.
+        self.static, self.directory = targets, directory
         self.targets = self._all_targets()
         self.min_version = min_version
         self.refresh_s, self.bench_s, self.wait_s = refresh_s, bench_s, wait_s
@@ -123,7 +82,7 @@ class PoolDispatcher:
         self._directory_read_at = -1e9
 
     def _all_targets(self) -> list[PoolTarget]:
-        return [*self.fixed, *(self.directory.targets.values() if self.directory is not None else ())]
+        return [*self.static, *(self.directory.targets.values() if self.directory is not None else ())]
 
     def qualifies(self, t: PoolTarget, now: float) -> bool:
         if t.local:
@@ -134,30 +93,31 @@ class PoolDispatcher:
             return t.version is not None
         return t.version is not None and t.version >= self.min_version
 
+    @property
+    def local(self) -> PoolTarget | None:
+        """The run's own engines (None: the run has none)."""
+        return next((t for t in self.static if t.local), None)
+
     async def _refresh(self) -> None:
+        """Read the directory again if ``refresh_s`` has passed (in a thread: the store may be a WAN away)."""
         now = time.monotonic()
-        if self.directory is not None and now - self._directory_read_at >= self.refresh_s:
-            self._directory_read_at = now
-            try:
-                records = await asyncio.to_thread(self.directory.read)
-            except OSError as exc:  # the store is unreachable for now: the pools stay as last read
-                log.warning("pool registry: could not read it: %s", exc)
-            else:
-                self.directory.apply(records)
-                await self.directory.close_idle()
-                self.targets = self._all_targets()
-        due = [t for t in self.targets if t.read_version is not None and now - t.read_at >= self.refresh_s]
-        for t in due:
-            t.read_at = now
-        versions = await asyncio.gather(*(asyncio.to_thread(t.read_version) for t in due), return_exceptions=True)
-        for t, v in zip(due, versions, strict=True):
-            if isinstance(v, BaseException):
-                log.warning("pool %s: could not read what it serves: %s", t.name, v)
-                continue
-            t.version = v
-            if not self.qualifies(t, now) and t.name not in self._skipped and now >= t.benched_until:
+        if self.directory is None or now - self._directory_read_at < self.refresh_s:
+            return
+        self._directory_read_at = now
+        self.directory.apply(await asyncio.to_thread(self.directory.read))
+        await self.directory.close_idle()
+        self.targets = self._all_targets()
+        for t in self.targets:
+            if self._too_old(t, now) and t.name not in self._skipped:
                 self._skipped.add(t.name)
-                log.info("pool %s serves v%s, older than v%s this step needs: skipped", t.name, v, self.min_version)
+                log.info("pool %s serves v%s, older than v%s this step needs: skipped", t.name, t.version,
+                         self.min_version)  # fmt: skip
+
+    def _too_old(self, t: PoolTarget, now: float) -> bool:
+        """Whether the version ``t`` serves alone keeps it from taking a group."""
+        if t.local or now < t.benched_until or t.draining or t.silent:
+            return False
+        return not self.qualifies(t, now)
 
     def pick(self, n: int) -> PoolTarget | None:
         """The qualifying pool with the most free capacity that fits ``n`` samples (a group), if any."""

@@ -1,18 +1,23 @@
-"""The remote pools a run finds in the pool registry (storage/weights/pool_registry.py), as dispatch targets.
+"""The remote pools a run may send groups to, as dispatch targets: fixed ones and those of the pool registry.
 
-`--rollout-pools auto` (or a registry URI) gives the run a `PoolDirectory`; the dispatcher (dispatch.py) reads
-it at every refresh, during each step's rollout, and offers groups to the pools it lists:
+A run's pools come from two sources, and the dispatcher (dispatch.py) reads both at every refresh, during each
+step's rollout:
 
-- a pool that registers *joins*: it gets groups as soon as the version it serves is fresh enough for the step;
-- a *draining* pool keeps the groups it has and gets no new ones; once drained it deregisters and *leaves*;
-- a pool whose heartbeat (its record's ``beat``) has not moved for ``silent_beats`` of its heartbeat periods
-  (``heartbeat_s``) on the run's clock is *silent*: no new groups (benched) until it beats again; after
-  ``drop_beats`` periods it is *dropped*;
-- a record last written longer than ``drop_beats`` periods ago (the writer's clock) is a pool that died without
-  deregistering: ignored from the start.
+- *fixed* pools (`--rollout-pools NAME=URL`) are listed for the whole run, at the address the run was given; the
+  version each serves is read from its record in the pool registry (storage/weights/pool_registry.py), which its
+  agent writes; while it has none, the version is unknown and the pool gets no group;
+- *registered* pools (`--rollout-pools auto`, or a registry URI) come and go with their records:
+  - a pool that registers *joins*: it gets groups as soon as the version it serves is fresh enough for the step;
+  - a *draining* pool keeps the groups it has and gets no new ones; once drained it deregisters and *leaves*;
+  - a pool whose heartbeat (its record's ``beat``) has not moved for ``silent_beats`` of its heartbeat periods
+    (``heartbeat_s``) on the run's clock is *silent*: no new groups (benched) until it beats again; after
+    ``drop_beats`` periods it is *dropped*;
+  - a record last written longer than ``drop_beats`` periods ago (the writer's clock) is a pool that died without
+    deregistering: ignored from the start.
 
-Pools are named in log lines, never by URL (a URL may carry credentials), and the rows they make record the
-pool's name. The targets outlive a step's rollout: a pool's version and liveness carry over to the next step.
+What a pool serves is `PoolRecord.serves` for both. Pools are named in log lines, never by URL (a URL may carry
+credentials), and the rows they make record the pool's name. The targets outlive a step's rollout: a pool's
+version and liveness carry over to the next step.
 """
 
 from __future__ import annotations
@@ -23,9 +28,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sluiceway.storage.weights.pool_registry import DRAINING, PoolRecord, PoolRegistry
-from sluiceway.tasks.rollout.dispatch import PoolTarget, RolloutClient
+from sluiceway.tasks.rollout.pool_target import PoolTarget, RolloutClient
 
 log = logging.getLogger("sluiceway")
+
+
+@dataclass(frozen=True)
+class FixedPool:
+    """A `--rollout-pools NAME=URL` pool."""
+
+    name: str
+    url: str  # the router the run sends its requests to: the run's flag, never the record's
+    registry: PoolRegistry  # where its agent reports what it serves
+
+
+@dataclass
+class Reading:
+    """One read of every source (:meth:`PoolDirectory.read`)."""
+
+    registered: dict[str, PoolRecord] | None  # every registry's records; None: unreadable now (kept as last read)
+    fixed: dict[str, PoolRecord | None]  # each fixed pool's record (None: none yet); a pool not read now is absent
 
 
 @dataclass
@@ -42,35 +64,64 @@ class PoolDirectory:
         make_client: Callable[[str], RolloutClient],
         default_capacity: int,
         *,
+        fixed: list[FixedPool] = (),
         silent_beats: float = 3.0,
         drop_beats: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.registries = registries
+        self.fixed = list(fixed)
         self.make_client = make_client  # called on the loop that generates (an async client belongs to it)
-        self.default_capacity = default_capacity
+        self.default_capacity = default_capacity  # a fixed pool's, and a registered one's without a capacity
         self.silent_beats, self.drop_beats = silent_beats, drop_beats
         self.clock, self.wall_clock = clock, wall_clock
-        self.targets: dict[str, PoolTarget] = {}
+        self._fixed: dict[str, PoolTarget] = {}  # made at the first apply, on the generating loop
+        self._joined: dict[str, PoolTarget] = {}  # registered pools now listed
         self.retiring: list[PoolTarget] = []  # left or dropped: their clients close once no group runs there
         self._seen: dict[str, _Seen] = {}
         self._ignored: set[str] = set()  # left-over records, logged once
         self._dropped: dict[str, int] = {}  # silent pools dropped, at the beat they fell silent on
 
-    def read(self) -> dict[str, PoolRecord]:
-        """Every registry's records (blocking: the dispatcher calls it in a thread). A name registered in two
-        registries is one pool: the first registry's record wins."""
-        out: dict[str, PoolRecord] = {}
-        for registry in self.registries:
-            for name, record in registry.records().items():
-                out.setdefault(name, record)
-        return out
+    @property
+    def targets(self) -> dict[str, PoolTarget]:
+        """Every pool listed now, fixed ones first."""
+        return self._fixed | self._joined
 
-    def apply(self, records: dict[str, PoolRecord]) -> None:
-        """Update the targets from ``records``."""
+    def read(self) -> Reading:
+        """Every source's records (blocking: the dispatcher calls it in a thread). A store that cannot be read
+        now leaves its pools as last read. A name registered in two registries is one pool: the first registry's
+        record wins."""
+        fixed: dict[str, PoolRecord | None] = {}
+        for pool in self.fixed:
+            try:
+                fixed[pool.name] = pool.registry.record(pool.name)
+            except OSError as exc:
+                log.warning("pool %s: could not read what it serves: %s", pool.name, exc)
+        registered: dict[str, PoolRecord] | None = {}
+        try:
+            for registry in self.registries:
+                for name, record in registry.records().items():
+                    registered.setdefault(name, record)
+        except OSError as exc:  # the store is unreachable for now
+            log.warning("pool registry: could not read it: %s", exc)
+            registered = None
+        return Reading(registered, fixed)
+
+    def apply(self, reading: Reading) -> None:
+        """Update the targets from ``reading``."""
+        for pool in self.fixed:
+            t = self._fixed.get(pool.name)
+            if t is None:
+                t = self._fixed[pool.name] = PoolTarget(pool.name, self.make_client(pool.url), self.default_capacity)
+            if pool.name in reading.fixed:
+                record = reading.fixed[pool.name]
+                t.version = record.serves if record is not None else None
+        if reading.registered is None:
+            return
+        records = {n: r for n, r in reading.registered.items() if n not in self._fixed}  # a fixed pool's own record
         now = self.clock()
-        for name in list(self.targets):
+        for name in list(self._joined):
             seen, r = self._seen[name], records.get(name)
             if r is None:
                 log.info("pool %s left (deregistered)", name)
@@ -81,7 +132,7 @@ class PoolDirectory:
                 log.info("pool %s moved to a new address: its groups follow", name)  # a new pod, say
             else:
                 continue
-            t = self.targets.pop(name)
+            t = self._joined.pop(name)
             t.gone = True  # a group still running there is generated elsewhere (dispatch.py)
             self.retiring.append(t)
             del self._seen[name]
@@ -98,10 +149,10 @@ class PoolDirectory:
     async def aclose(self) -> None:
         for t in [*self.targets.values(), *self.retiring]:
             await t.client.aclose()
-        self.targets, self.retiring = {}, []
+        self._fixed, self._joined, self.retiring = {}, {}, []
 
     def _update(self, name: str, r: PoolRecord, now: float) -> None:
-        t = self.targets.get(name)
+        t = self._joined.get(name)
         if t is None:
             if r.url is None or r.state == DRAINING or self._dropped.get(name) == r.beat:
                 return  # nothing to send it, on its way out, or dropped and silent since
@@ -114,10 +165,10 @@ class PoolDirectory:
             self._ignored.discard(name)
             capacity = r.capacity or self.default_capacity
             t = PoolTarget(name, self.make_client(r.url), capacity)
-            self.targets[name] = t
+            self._joined[name] = t
             self._seen[name] = _Seen(r.beat, now, r.url)
             log.info("pool %s (%s) joined: serves v%s, takes %d samples at once", name, r.region or "no region",
-                     r.serving, capacity)  # fmt: skip
+                     r.serves, capacity)  # fmt: skip
         seen = self._seen[name]
         if r.beat != seen.beat:
             seen.beat, seen.since = r.beat, now
@@ -131,5 +182,5 @@ class PoolDirectory:
         if r.state == DRAINING and not t.draining:
             log.info("pool %s draining: it finishes its groups and gets no new ones", name)
         t.silent, t.draining = silent, r.state == DRAINING
-        t.version = r.serving if r.serving is not None else r.version
+        t.version = r.serves
         t.capacity = r.capacity or self.default_capacity

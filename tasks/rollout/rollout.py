@@ -9,17 +9,19 @@
   weight version that made them, as `aborted` rows; with `partial_rollout` the next step continues them
   from those tokens under the new weights (APRIL), optionally masking the old-policy tokens out of the loss.
 - Pools: each group goes to one pool of engines (tasks/rollout/dispatch.py): the run's own, or remote pools
-  that serve a fresh enough weight version. A remote pool's requests cannot be aborted through its router, so
+  that serve a fresh enough weight version (tasks/rollout/pool_directory.py: fixed ones, and the pool registry's,
+  which join and leave during the step). A remote pool's requests cannot be aborted through its router, so
   once the step has enough groups they are dropped on our side and stored as aborted; a remote pool that
   fails a request is benched and its group goes elsewhere; a slow one is hedged on the run's own engines.
-  Pools of the pool registry join and leave during the step (tasks/rollout/pool_directory.py). Every request
-  names the oldest version it may be sampled at (``min_weight_version``): an engine serving an older one refuses
-  it, and the group goes to a pool that is current. Rows record the pool and the versions that made them.
+  Every request names the oldest version it may be sampled at (``min_weight_version``): an engine serving an
+  older one refuses it, and the group goes to a pool that is current. Rows record the pool and the versions
+  that made them.
 
 `Rollout` holds one step's rollout: its fields are what the groups share while they run (the count of finished
 groups, the event that cuts the rest short), its methods one group, one pool's samples of it, one sample, and
-the verdict on a generated group. It needs of an engine client only `RolloutClient` (tasks/rollout/dispatch.py),
-so tests drive it with a scripted fake (tests/unit/rollout/). `run_rollout` is the entry point the flows call.
+the verdict on a generated group. It takes one `PoolDispatcher`, which holds every pool it may use; of an engine
+client it needs only `RolloutClient` (tasks/rollout/pool_target.py), so tests drive it with a scripted fake
+(tests/unit/rollout/). `run_rollout` is the entry point the flows call.
 """
 
 from __future__ import annotations
@@ -42,10 +44,10 @@ from sluiceway.storage.trajectories import (
     is_trainable,
     read_trajectories,
 )
-from sluiceway.tasks.rollout.dispatch import LOCAL, HedgePolicy, PoolDispatcher, PoolTarget, RolloutClient
+from sluiceway.tasks.rollout.dispatch import PoolDispatcher
 from sluiceway.tasks.rollout.generation import Generation, GenerationDefaults
 from sluiceway.tasks.rollout.multiturn import GenerateContext
-from sluiceway.tasks.rollout.pool_directory import PoolDirectory
+from sluiceway.tasks.rollout.pool_target import PoolTarget
 from sluiceway.tasks.rollout.writer import GroupWriter
 
 
@@ -188,7 +190,7 @@ def _row(
         meta["offpolicy_tokens"] = len(part.token_ids)
     if res.abort_reason:
         meta["abort_reason"] = res.abort_reason
-    # An agent session (tasks/rollout/agent_proxy.py) renders its own prompt and may bring the agent's reward.
+    # An agent session (tasks/rollout/agent/proxy.py) renders its own prompt and may bring the agent's reward.
     return TrajectoryRow(
         run_id=run_id,
         step=step,
@@ -232,16 +234,16 @@ class _Aborted(GenerationDefaults):
 class Rollout:
     """One step's rollout: the planned groups the table does not hold yet, until `groups_needed` have finished.
 
-    `client` reaches the run's own engines (None: the run has none); `remote_pools` and the pools of
-    `pool_directory` take groups too while they serve `min_version` or newer (tasks/rollout/dispatch.py picks
-    the pool, benches a failing one and hedges a slow one).
+    `dispatcher` holds the pools: the run's own engines (if it has any) and the remote pools, which take groups
+    while they serve its `min_version` or newer (tasks/rollout/dispatch.py picks the pool, benches a failing one
+    and hedges a slow one). Every request is pinned to `min_version`.
     `on_progress(finished, needed)` is called as groups finish (a console progress bar, say).
     """
 
     def __init__(
         self,
         *,
-        client: RolloutClient | None,
+        dispatcher: PoolDispatcher,
         store,
         run_id: str,
         step: int,
@@ -251,17 +253,11 @@ class Rollout:
         group_filter: Callable[[list[TrajectoryRow]], str | None] | None = None,
         engine: str = "router",
         on_progress: Callable[[int, int], None] | None = None,
-        remote_pools: list[PoolTarget] = (),
-        min_version: int | None = None,
-        hedge: HedgePolicy | None = None,  # None: dispatch.py's defaults
-        pool_directory: PoolDirectory | None = None,
     ) -> None:
-        self.client, self.store, self.run_id, self.step = client, store, run_id, step
+        self.dispatcher, self.store, self.run_id, self.step = dispatcher, store, run_id, step
         self.work, self.s, self.decode = work, settings, decode
         self.group_filter, self.engine, self.on_progress = group_filter, engine, on_progress
-        self.min_version = min_version
-        local = [PoolTarget(LOCAL, client, settings.max_concurrency, local=True)] if client is not None else []
-        self.dispatcher = PoolDispatcher([*local, *remote_pools], min_version, hedge=hedge, directory=pool_directory)
+        self.min_version = dispatcher.min_version
         self.writer = GroupWriter(store)
         # What the groups share while they run:
         self.enough = asyncio.Event()  # the step has `groups_needed` finished groups: the rest are cut short
@@ -359,8 +355,8 @@ class Rollout:
             self.on_progress(self.finished, self.s.groups_needed)
         if self.finished >= self.s.groups_needed and not self.enough.is_set():
             self.enough.set()
-            if self.client is not None:
-                await self.client.abort_all()  # the engines return what they have for the rest
+            if (own := self.dispatcher.local) is not None:
+                await own.client.abort_all()  # the engines return what they have for the rest
 
 
 async def run_rollout(**kwargs) -> RolloutResult:

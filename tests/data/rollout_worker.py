@@ -8,6 +8,8 @@ from sluiceway.models.zoo import load_tokenizer
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.tasks.environments.arithmetic import generate as arithmetic
 from sluiceway.tasks.rollout.client import EngineClient
+from sluiceway.tasks.rollout.dispatch import PoolDispatcher
+from sluiceway.tasks.rollout.pool_target import own_engines
 from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings, plan_step, run_rollout
 
 
@@ -33,7 +35,7 @@ async def main(spec: dict) -> None:
     )
     async with EngineClient(spec["router"], spec["engines"]) as client:
         await run_rollout(
-            client=client,
+            dispatcher=PoolDispatcher([own_engines(client, s.max_concurrency)]),
             store=store,
             run_id="r",
             step=0,

@@ -17,7 +17,7 @@ import numpy as np
 from cli_run import run_cli
 from paths import ROOT
 
-from sluiceway.infra.pool import EnginePool
+from sluiceway.infra.engine_group import EngineGroup
 from sluiceway.infra.router import SGLangRouter
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.storage.metrics import read_metrics
@@ -25,6 +25,8 @@ from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.trajectories import ABORTED, is_trainable, read_trajectories
 from sluiceway.tasks.rollout.agent_proxy import AgentGenerate, load_agent_function
 from sluiceway.tasks.rollout.client import EngineClient
+from sluiceway.tasks.rollout.dispatch import PoolDispatcher
+from sluiceway.tasks.rollout.pool_target import own_engines
 from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings, plan_step, run_rollout
 from sluiceway.tasks.train.batch import trainable_rows
 
@@ -122,12 +124,13 @@ def test_an_abandoned_session_is_stored_aborted_and_never_trained(tmp_path):
     env = dict(os.environ, SLUICEWAY_CACHE=str(tmp_path / "cache"))
     with (
         SGLangRouter(tmp_path / "logs") as router,
-        EnginePool(str(model_dir), 1, tmp_path / "logs", router=router, env=env) as pool,
+        EngineGroup(str(model_dir), 1, tmp_path / "logs", router=router, env=env) as pool,
     ):
 
         async def go():
             async with EngineClient(router.url, pool.urls) as client:
-                return await run_rollout(client=client, store=store, run_id="ag", step=0,
+                return await run_rollout(dispatcher=PoolDispatcher([own_engines(client, s.max_concurrency)]),
+                                         store=store, run_id="ag", step=0,
                                          work=plan_step(store, "ag", 0, prompts, s, []), settings=s,
                                          decode=tok.decode)  # fmt: skip
 

@@ -15,7 +15,7 @@ import threading
 import httpx
 import pytest
 
-from sluiceway.infra.pool import EnginePool
+from sluiceway.infra.engine_group import EngineGroup
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 
@@ -158,7 +158,7 @@ def engine_url(tiny, tmp_path_factory):
     path, _ = tiny
     logs = tmp_path_factory.mktemp("fuzz-logs")
     args = ("--max-running-requests", "8", "--max-total-len", str(MAX_TOTAL_LEN))
-    with EnginePool(str(path), 1, logs, engine_args=args) as pool:
+    with EngineGroup(str(path), 1, logs, engine_args=args) as pool:
         yield pool.urls[0]
 
 

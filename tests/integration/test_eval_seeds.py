@@ -8,7 +8,7 @@ from sluiceway.tasks.reward.score import RewardSettings
 
 
 def test_eval_numbers_repeat_with_the_same_seed(tmp_path):
-    from sluiceway.infra.pool import EnginePool
+    from sluiceway.infra.engine_group import EngineGroup
     from sluiceway.infra.router import SGLangRouter
     from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
     from sluiceway.tasks.environments.arithmetic import generate
@@ -42,7 +42,7 @@ def test_eval_numbers_repeat_with_the_same_seed(tmp_path):
     env = dict(os.environ, SLUICEWAY_CACHE=str(tmp_path / "cache"))
     with (
         SGLangRouter(tmp_path / "logs") as router,
-        EnginePool(str(model_dir), 1, tmp_path / "logs", router=router, env=env) as pool,
+        EngineGroup(str(model_dir), 1, tmp_path / "logs", router=router, env=env) as pool,
     ):
 
         async def run(seed, tag):

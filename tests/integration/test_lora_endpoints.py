@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from sluiceway.infra.pool import EnginePool
+from sluiceway.infra.engine_group import EngineGroup
 from sluiceway.infra.router import SGLangRouter
 from sluiceway.models.lora import LoraAdapters, LoraSpec, write_adapter_dir
 from sluiceway.models.megatron_gpt import init_parallel_state
@@ -40,7 +40,7 @@ def test_client_loads_adapters_through_the_lora_endpoints(tmp_path):
     dirs = [adapter_dir(model_dir, tmp_path / f"v{i}", seed=i) for i in (1, 2, 3)]
     env = {"SLUICEWAY_CACHE": str(tmp_path / "cache")}
     with SGLangRouter(tmp_path / "logs", health_check_interval_s=1) as router:
-        with EnginePool(str(model_dir), 2, tmp_path / "logs", router=router, env=env, startup_timeout_s=120) as pool:
+        with EngineGroup(str(model_dir), 2, tmp_path / "logs", router=router, env=env, startup_timeout_s=120) as pool:
 
             async def go():
                 client = EngineClient(router.url, pool.urls)

@@ -7,13 +7,15 @@ import os
 import torch
 from paths import DATA
 
-from sluiceway.infra.pool import EnginePool
+from sluiceway.infra.engine_group import EngineGroup
 from sluiceway.infra.router import SGLangRouter
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.trajectories import read_trajectories
 from sluiceway.tasks.rollout.client import EngineClient
+from sluiceway.tasks.rollout.dispatch import PoolDispatcher
 from sluiceway.tasks.rollout.multiturn import load_custom_generate
+from sluiceway.tasks.rollout.pool_target import own_engines
 from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings, plan_step, run_rollout
 
 
@@ -40,13 +42,13 @@ def test_two_turns_keep_engine_tokens_and_mask_the_environment(tmp_path):
     env = dict(os.environ, SLUICEWAY_CACHE=str(tmp_path / "cache"))
     with (
         SGLangRouter(tmp_path / "logs") as router,
-        EnginePool(str(model_dir), 1, tmp_path / "logs", router=router, env=env) as pool,
+        EngineGroup(str(model_dir), 1, tmp_path / "logs", router=router, env=env) as pool,
     ):
 
         async def go():
             async with EngineClient(router.url, pool.urls) as client:
                 return await run_rollout(
-                    client=client,
+                    dispatcher=PoolDispatcher([own_engines(client, s.max_concurrency)]),
                     store=store,
                     run_id="mt",
                     step=0,

@@ -18,7 +18,7 @@ from cli_run import BATCH, N, run_cli
 from paths import DATA
 from safetensors.torch import save_file
 
-from sluiceway.infra.pool import EnginePool
+from sluiceway.infra.engine_group import EngineGroup
 from sluiceway.models.zoo import load_hf_model, load_hf_state_dict, resolve_checkpoint
 from sluiceway.storage.metrics import read_metrics
 from sluiceway.storage.object_store import ObjectStore
@@ -68,7 +68,7 @@ def test_pure_distillation_reverse_kl_falls_and_the_teacher_is_asked_once(tmp_pa
     cache, run_dir = tmp_path / "cache", tmp_path / "run"
     student = resolve_checkpoint("tiny-llama", cache_dir=cache)
     teacher_dir = make_teacher(student, tmp_path / "teacher")
-    with EnginePool(str(teacher_dir), 1, tmp_path / "teacher-logs", engine_args=("--max-total-len", "512")) as pool:
+    with EngineGroup(str(teacher_dir), 1, tmp_path / "teacher-logs", engine_args=("--max-total-len", "512")) as pool:
         url = pool.urls[0]
         run_cli(run_dir, cache, "--num-rollout", str(STEPS), "--opd-type", "sglang", "--opd-teacher-url", url, *OPD)
         store = ObjectStore.from_uri(str(run_dir / "tables"))

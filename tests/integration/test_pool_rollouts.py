@@ -24,8 +24,10 @@ from sluiceway.models.zoo import resolve_checkpoint
 from sluiceway.storage.metrics import metrics_frame
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.trajectories import read_trajectories
-from sluiceway.storage.weights import WeightStore
-from sluiceway.tasks.rollout.dispatch import PoolTarget
+from sluiceway.storage.weights.pool_registry import PoolRecord, PoolRegistry
+from sluiceway.storage.weights.store import WeightStore
+from sluiceway.tasks.rollout.dispatch import PoolDispatcher
+from sluiceway.tasks.rollout.pool_target import PoolTarget, own_engines
 
 
 @pytest.mark.parametrize(
@@ -56,7 +58,7 @@ def test_run_takes_groups_from_remote_pools_without_waiting_for_slow_ones(tmp_pa
     with local_pools(spec, tmp_path / "pools", poll=False) as (east, west):
         east.agent.start()  # follows every version the run publishes
         assert west.agent.poll_once() == 0  # reports the base weights once, then never updates
-        wstore.write_pool_status("dead", {"pool": "dead", "serving": 0})  # claims v0; nothing listens
+        PoolRegistry(wstore).write(PoolRecord(pool="dead", serving=0))  # claims v0; nothing listens
         dead = f"http://127.0.0.1:{free_port()}"
         steps = 4
         proc = run_cli(
@@ -145,8 +147,9 @@ def test_a_slow_pool_is_hedged_on_the_run_s_own_engines(tmp_path, caplog):
     async def go():
         async with EngineClient(router.url, engines.urls) as local, EngineClient(link.url, []) as far:
             slow = PoolTarget("slow", far, capacity=4, version=0)
-            return await run_rollout(client=local, store=store, run_id="r", step=0, work=work, settings=s,
-                                     decode=tok.decode, remote_pools=[slow], min_version=0)  # fmt: skip
+            pools = PoolDispatcher([own_engines(local, s.max_concurrency), slow], min_version=0)
+            return await run_rollout(dispatcher=pools, store=store, run_id="r", step=0, work=work, settings=s,
+                                     decode=tok.decode)  # fmt: skip
 
     try:
         with caplog.at_level("INFO", logger="sluiceway"):

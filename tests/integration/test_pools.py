@@ -15,6 +15,7 @@ from sluiceway.models.zoo import resolve_checkpoint
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.weights import WeightPublisher, WeightStore, materialize
 from sluiceway.storage.weights import safetensors_raw as st
+from sluiceway.storage.weights.pool_registry import PoolRegistry
 from sluiceway.storage.weights.publish import read_model_dir
 
 
@@ -49,8 +50,8 @@ def assert_pool_serves(pool, version: int) -> None:
     status = json.loads(pool.agent.status_path.read_text())
     assert status["version"] == version and set(status["engines"].values()) == {version}
     # The same report on the store, where a run in another place reads what the pool serves.
-    reported = pool.agent.wstore.pool_status(pool.spec.name)
-    assert reported["serving"] == version and reported["engines"] == status["engines"]
+    reported = PoolRegistry(pool.agent.wstore).record(pool.spec.name)
+    assert reported.serving == version and reported.engines == status["engines"]
 
 
 def test_pools_pull_deltas_and_refuse_a_corrupted_one(s3_server, tmp_path, monkeypatch):

@@ -88,7 +88,7 @@ def test_replay_module_never_loads_the_engine_side():
     code = (
         "import sys, sluiceway.flows.replay; "
         "engine_side = ('sluiceway.flows.engines', 'sluiceway.models.engine', 'sluiceway.infra.router', "
-        "'sluiceway.infra.pool', 'sluiceway.infra.sglang_launcher', 'sluiceway.tasks.rollout'); "
+        "'sluiceway.infra.engine_group', 'sluiceway.infra.sglang_launcher', 'sluiceway.tasks.rollout'); "
         "bad = [m for m in sys.modules if m.startswith(engine_side)]; "
         "assert not bad, bad"
     )

@@ -24,6 +24,8 @@ from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.trajectories import read_trajectories
 from sluiceway.tasks.rollout.client import EngineClient
+from sluiceway.tasks.rollout.dispatch import PoolDispatcher
+from sluiceway.tasks.rollout.pool_target import own_engines
 from sluiceway.tasks.rollout.rollout import plan_step, run_rollout
 from sluiceway.tasks.sync.disk import write_weight_version
 
@@ -48,8 +50,9 @@ def finished_requests(url: str) -> int:
 def rollout(router, pool, store, step, work, s, decode, **kw):
     async def go():
         async with EngineClient(router.url, pool.urls) as client:
+            pools = PoolDispatcher([own_engines(client, s.max_concurrency)])
             return await run_rollout(
-                client=client, store=store, run_id="r", step=step, work=work, settings=s, decode=decode, **kw
+                dispatcher=pools, store=store, run_id="r", step=step, work=work, settings=s, decode=decode, **kw
             )
 
     return asyncio.run(go())
@@ -68,8 +71,9 @@ def test_router_two_engines_logprobs_and_engine_death(tmp_path, model_dir):
             async with EngineClient(router.url, pool.urls) as client:
                 task = asyncio.create_task(
                     run_rollout(
-                        client=client, store=store, run_id="r", step=0, work=work, settings=s, decode=tok.decode
-                    )
+                        dispatcher=PoolDispatcher([own_engines(client, s.max_concurrency)]),
+                        store=store, run_id="r", step=0, work=work, settings=s, decode=tok.decode,
+                    )  # fmt: skip
                 )
 
                 # Kill an engine once some groups are stored and both engines served, while others are in flight.

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from sluiceway.infra.pool import EnginePool
+from sluiceway.infra.engine_group import EngineGroup
 from sluiceway.infra.router import SGLangRouter
 from sluiceway.models.zoo import resolve_checkpoint
 from sluiceway.tasks.rollout.client import EngineCallError, EngineClient, GenerateResult
@@ -32,7 +32,7 @@ def stack(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     env = {"SLUICEWAY_CACHE": str(model_dir.parent.parent)}
     with SGLangRouter(logs, health_check_interval_s=1) as router:
-        with EnginePool(str(model_dir), 2, logs, router=router, env=env, startup_timeout_s=120) as pool:
+        with EngineGroup(str(model_dir), 2, logs, router=router, env=env, startup_timeout_s=120) as pool:
             yield router, pool
 
 
@@ -216,7 +216,7 @@ def test_external_engines_are_attached_not_owned(stack, tmp_path):
     external = pool.urls[1]
     with SGLangRouter(tmp_path) as router:
         # slime passes bare host:port addresses
-        with EnginePool(None, 0, tmp_path, router=router, external_urls=[external.removeprefix("http://")]) as ext:
+        with EngineGroup(None, 0, tmp_path, router=router, external_urls=[external.removeprefix("http://")]) as ext:
             assert ext.urls == [external] and router.worker_urls() == [external]
             with pytest.raises(RuntimeError, match="external"):
                 ext.kill(0)
@@ -230,17 +230,17 @@ def test_an_engine_that_loses_its_port_is_started_again_on_another(model_dir, tm
     # exits at start ("address already in use") and the pool starts it again on a new port, not a failed run.
     import socket
 
-    from sluiceway.infra import pool as pool_module
+    from sluiceway.infra import engine_group
 
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     ports = iter([taken.getsockname()[1]])
-    real = pool_module.free_port
-    monkeypatch.setattr(pool_module, "free_port", lambda: next(ports, None) or real())
+    real = engine_group.free_port
+    monkeypatch.setattr(engine_group, "free_port", lambda: next(ports, None) or real())
     env = {"SLUICEWAY_CACHE": str(model_dir.parent.parent)}
     try:
-        with EnginePool(str(model_dir), 1, tmp_path, env=env, startup_timeout_s=120) as pool:
+        with EngineGroup(str(model_dir), 1, tmp_path, env=env, startup_timeout_s=120) as pool:
             (url,) = pool.urls
             assert url != f"http://127.0.0.1:{taken.getsockname()[1]}" and pool.check() == []
         assert "address already in use" in (tmp_path / "engine-0.log").read_text().lower()

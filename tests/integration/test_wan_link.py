@@ -29,7 +29,9 @@ from sluiceway.storage.trajectories import read_trajectories
 from sluiceway.storage.weights import WeightPublisher, WeightStore
 from sluiceway.storage.weights import safetensors_raw as st
 from sluiceway.storage.weights.publish import read_model_dir
-from sluiceway.tasks.rollout.dispatch import PoolTarget
+from sluiceway.storage.weights.pool_registry import PoolRegistry
+from sluiceway.tasks.rollout.dispatch import PoolDispatcher
+from sluiceway.tasks.rollout.pool_target import PoolTarget, own_engines
 
 
 @pytest.fixture
@@ -112,8 +114,9 @@ def test_pool_behind_a_cut_link_keeps_serving_and_catches_up(s3_server, link, tm
             async def step():
                 async with EngineClient(router.url, engines.urls) as local, EngineClient(pool.url, []) as far:
                     remote = PoolTarget("remote", far, capacity=4, version=1)
-                    return await run_rollout(client=local, store=tables, run_id="r", step=0, work=work, settings=s,
-                                             decode=tok.decode, remote_pools=[remote], min_version=0)  # fmt: skip
+                    pools = PoolDispatcher([own_engines(local, s.max_concurrency), remote], min_version=0)
+                    return await run_rollout(dispatcher=pools, store=tables, run_id="r", step=0, work=work,
+                                             settings=s, decode=tok.decode)  # fmt: skip
 
             with caplog.at_level("INFO", logger="sluiceway"):
                 result = asyncio.run(step())
@@ -132,10 +135,11 @@ def test_pool_behind_a_cut_link_keeps_serving_and_catches_up(s3_server, link, tm
             # The pool's report reaches the store once the link is back (what a run elsewhere reads); when the
             # pool stops (SIGTERM) it drains and deregisters, so this is read while it serves.
             deadline = time.monotonic() + 60
-            while (wstore.pool_status("remote") or {}).get("serving") != 2:
-                assert time.monotonic() < deadline, wstore.pool_status("remote")
+            registry = PoolRegistry(wstore)
+            while getattr(registry.record("remote"), "serving", None) != 2:
+                assert time.monotonic() < deadline, registry.record("remote")
                 time.sleep(0.1)
-        assert wstore.pool_status("remote") is None  # drained and deregistered on the way out
+        assert registry.record("remote") is None  # drained and deregistered on the way out
     finally:
         store_proxy.stop()
         engines.close()

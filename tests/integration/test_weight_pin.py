@@ -12,7 +12,7 @@ import asyncio
 import httpx
 import pytest
 
-from sluiceway.infra.pool import EnginePool
+from sluiceway.infra.engine_group import EngineGroup
 from sluiceway.infra.router import SGLangRouter
 from sluiceway.infra.weight_pin import pin_body
 from sluiceway.models.zoo import resolve_checkpoint
@@ -28,7 +28,7 @@ def stack(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     env = {"SLUICEWAY_CACHE": str(model_dir.parent.parent)}
     with SGLangRouter(logs, health_check_interval_s=1) as router:
-        with EnginePool(str(model_dir), 1, logs, router=router, env=env, startup_timeout_s=120) as pool:
+        with EngineGroup(str(model_dir), 1, logs, router=router, env=env, startup_timeout_s=120) as pool:
             yield router, pool.urls[0]
 
 

@@ -76,11 +76,15 @@ def test_configuration_reference_is_current():
 def test_embedded_engines_share_the_cores():
     import os
 
+    from sluiceway.flows.engines import fleet_settings
     from sluiceway.infra.engine_fleet import embedded_engine_threads
+
+    def threads(argv: list[str]) -> int:
+        return embedded_engine_threads(fleet_settings(cfg_from(argv)))
 
     cores = len(os.sched_getaffinity(0))
     base = ["run", "--prompt-data", "env:arithmetic"]
-    assert embedded_engine_threads(cfg_from(base)) == cores
-    assert embedded_engine_threads(cfg_from([*base, "--rollout-num-engines", "2"])) == max(1, cores // 2)
-    assert embedded_engine_threads(cfg_from([*base, "--num-threads", "8", "--rollout-num-engines", "2"])) == 4
-    assert embedded_engine_threads(cfg_from([*base, "--engine-num-threads", "3"])) == 3
+    assert threads(base) == cores
+    assert threads([*base, "--rollout-num-engines", "2"]) == max(1, cores // 2)
+    assert threads([*base, "--num-threads", "8", "--rollout-num-engines", "2"]) == 4
+    assert threads([*base, "--engine-num-threads", "3"]) == 3

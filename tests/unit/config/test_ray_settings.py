@@ -30,9 +30,10 @@ def test_layouts_that_cannot_be_placed_are_refused(settings, message):
 
 
 def test_an_sglang_engine_actor_serves_on_its_node_with_its_gpus():
+    from sluiceway.flows.engines import fleet_settings
     from sluiceway.infra.engine_fleet import sglang_on_node
 
     c = cfg(ray_address="auto", rollout_engine="sglang", rollout_num_gpus=4, rollout_num_gpus_per_engine=2)
-    cmd = sglang_on_node("/models/m", 2, c, [], "10.0.0.7", 31000)
+    cmd = sglang_on_node("/models/m", 2, fleet_settings(c), [], "10.0.0.7", 31000)
     assert cmd[cmd.index("--host") + 1] == "10.0.0.7" and cmd[cmd.index("--port") + 1] == "31000"
     assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[cmd.index("--model-path") + 1] == "/models/m"

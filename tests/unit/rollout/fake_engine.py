@@ -1,4 +1,4 @@
-"""A scripted engine client for the rollout's unit tests: what tasks/rollout/dispatch.py's RolloutClient asks.
+"""A scripted engine client for the rollout's unit tests: what tasks/rollout/pool_target.py's RolloutClient asks.
 
 Each request's answer comes from ``script(rid)`` (default: ``Reply()``): how many tokens, why it finished,
 how long it takes, whether it hangs until ``abort_all`` (then it returns the tokens it had, like an engine),

@@ -11,10 +11,11 @@ import logging
 import pytest
 
 from sluiceway.storage.object_store import ObjectStore
-from sluiceway.storage.weights import WeightStore
-from sluiceway.storage.weights.pool_registry import PoolRegistry
-from sluiceway.tasks.rollout.dispatch import LOCAL, PoolDispatcher, PoolTarget
+from sluiceway.storage.weights.pool_registry import PoolRecord, PoolRegistry
+from sluiceway.storage.weights.store import WeightStore
+from sluiceway.tasks.rollout.dispatch import PoolDispatcher
 from sluiceway.tasks.rollout.pool_directory import PoolDirectory
+from sluiceway.tasks.rollout.pool_target import LOCAL, PoolTarget
 
 
 class Clock:
@@ -38,9 +39,9 @@ def registry(tmp_path) -> PoolRegistry:
     return PoolRegistry(WeightStore(ObjectStore.from_uri(str(tmp_path / "weights"))))
 
 
-def record(name: str, beat: int = 1, **kw) -> dict:
-    return {"pool": name, "region": "r", "url": f"http://{name}.invalid:1", "serving": 3, "version": 3,
-            "beat": beat, "heartbeat_s": 1.0, "state": "serving", **kw}  # fmt: skip
+def record(name: str, beat: int = 1, **kw) -> PoolRecord:
+    return PoolRecord(**{"pool": name, "region": "r", "url": f"http://{name}.invalid:1", "serving": 3, "version": 3,
+                         "beat": beat, "heartbeat_s": 1.0, "state": "serving", **kw})  # fmt: skip
 
 
 def directory(registry, clock, wall) -> PoolDirectory:

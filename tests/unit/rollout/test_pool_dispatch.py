@@ -1,6 +1,6 @@
 """The dispatcher's rule for remote pools (tasks/rollout/dispatch.py): local engines always qualify; a remote pool
 only while the version its agent reports is fresh enough, and not while benched; the pool with most room takes
-the group."""
+the group. A fixed pool's version is read from its record in the pool registry (tasks/rollout/pool_directory.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,12 @@ import asyncio
 
 from sluiceway.flows.config import RunConfig
 from sluiceway.flows.rl import pool_min_version
-from sluiceway.tasks.rollout.dispatch import LOCAL, PoolDispatcher, PoolTarget
+from sluiceway.storage.object_store import ObjectStore
+from sluiceway.storage.weights.pool_registry import PoolRecord, PoolRegistry
+from sluiceway.storage.weights.store import WeightStore
+from sluiceway.tasks.rollout.dispatch import PoolDispatcher
+from sluiceway.tasks.rollout.pool_directory import FixedPool, PoolDirectory
+from sluiceway.tasks.rollout.pool_target import LOCAL, PoolTarget
 
 
 def targets(**versions) -> list[PoolTarget]:
@@ -32,13 +37,26 @@ def test_dispatch_rules():
     assert d.pick(12).name == "local"  # a group larger than a pool's capacity runs alone on it
 
 
-def test_acquire_waits_for_room_and_reads_versions():
+class CountingRegistry(PoolRegistry):
+    def __init__(self, wstore, reads: list) -> None:
+        super().__init__(wstore)
+        self.reads = reads
+
+    def record(self, name):
+        self.reads.append(1)
+        return super().record(name)
+
+
+def test_acquire_waits_for_room_and_reads_versions(tmp_path):
     async def scenario():
         reads = []
-        west = PoolTarget("west", client=None, capacity=4, read_version=lambda: reads.append(1) or 5)
+        registry = CountingRegistry(WeightStore(ObjectStore.from_uri(str(tmp_path / "weights"))), reads)
+        registry.write(PoolRecord(pool="west", serving=5))  # what west's agent reports
+        pools = PoolDirectory([], lambda url: None, 4, fixed=[FixedPool("west", "http://west.invalid:1", registry)])
         local = PoolTarget(LOCAL, client=None, capacity=4, local=True)
-        d = PoolDispatcher([local, west], min_version=5, refresh_s=0.0, wait_s=5.0)
+        d = PoolDispatcher([local], min_version=5, refresh_s=0.0, wait_s=5.0, directory=pools)
         first, second = await d.acquire(4), await d.acquire(4)
+        west = pools.targets["west"]
         assert {first.name, second.name} == {"local", "west"} and west.version == 5 and reads
         third = asyncio.ensure_future(d.acquire(4))
         await asyncio.sleep(0.05)

@@ -16,7 +16,8 @@ from fake_engine import FakeEngine, Reply, by_group
 
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.trajectories import read_trajectories
-from sluiceway.tasks.rollout.dispatch import HedgePolicy, PoolTarget
+from sluiceway.tasks.rollout.dispatch import HedgePolicy, PoolDispatcher
+from sluiceway.tasks.rollout.pool_target import PoolTarget, own_engines
 from sluiceway.tasks.rollout.rollout import (
     PromptItem,
     Rollout,
@@ -47,8 +48,14 @@ def decode(ids: list[int]) -> str:
     return " ".join(map(str, ids))
 
 
-def rollout(client, store, step, work, s, **kw):
-    return run_rollout(client=client, store=store, run_id="r", step=step, work=work, settings=s, decode=decode, **kw)
+def pools(client, s, remote_pools=(), min_version=None, hedge=None) -> PoolDispatcher:
+    """The run's own engines (``client``, the settings' max_concurrency at once) and ``remote_pools``."""
+    return PoolDispatcher([own_engines(client, s.max_concurrency), *remote_pools], min_version, hedge=hedge)
+
+
+def rollout(client, store, step, work, s, remote_pools=(), min_version=None, **kw):
+    return run_rollout(dispatcher=pools(client, s, remote_pools, min_version), store=store, run_id="r", step=step,
+                       work=work, settings=s, decode=decode, **kw)  # fmt: skip
 
 
 def rows_by_group(store, step) -> dict[int, list[dict]]:
@@ -181,10 +188,10 @@ def test_a_dead_remote_pool_is_benched_and_its_group_goes_elsewhere(store, caplo
     local = FakeEngine("local", script=lambda rid: Reply(delay_s=0.005), version=5)
     east = FakeEngine("east", script=lambda rid: Reply(delay_s=0.005), version=5)
     dead = FakeEngine("dead", dead=True)
-    pools = [PoolTarget("east", east, 2, version=5), PoolTarget("dead", dead, 2, version=5)]
+    remote = [PoolTarget("east", east, 2, version=5), PoolTarget("dead", dead, 2, version=5)]
     with caplog.at_level(logging.INFO, logger="sluiceway"):
         result = asyncio.run(rollout(local, store, 0, plan_step(store, "r", 0, prompts(6), s, []), s,
-                                     remote_pools=pools, min_version=5))  # fmt: skip
+                                     remote_pools=remote, min_version=5))  # fmt: skip
 
     assert result.groups_completed == 6 and dead.calls, (result, dead.calls)  # the dead pool was given a group ...
     assert "pool dead failed" in caplog.text  # ... failed it, and was benched
@@ -201,9 +208,9 @@ def test_a_slow_remote_pool_is_hedged_on_the_run_s_own_engines(store, caplog):
     local = FakeEngine("local", script=lambda rid: Reply(delay_s=0.01))
     slow = FakeEngine("slow", script=lambda rid: Reply(delay_s=30.0))
     work = plan_step(store, "r", 0, prompts(4), s, [])
-    run = Rollout(client=local, store=store, run_id="r", step=0, work=work, settings=s, decode=decode,
-                  remote_pools=[PoolTarget("slow", slow, 2, version=0)], min_version=0,
-                  hedge=HedgePolicy(min_s=0.05, poll_s=0.01))  # fmt: skip
+    run = Rollout(dispatcher=pools(local, s, [PoolTarget("slow", slow, 2, version=0)], min_version=0,
+                                   hedge=HedgePolicy(min_s=0.05, poll_s=0.01)),
+                  store=store, run_id="r", step=0, work=work, settings=s, decode=decode)  # fmt: skip
     with caplog.at_level(logging.INFO, logger="sluiceway"):
         result = asyncio.run(asyncio.wait_for(run.run(), 10))
 

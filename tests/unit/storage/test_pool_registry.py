@@ -3,17 +3,18 @@ drain requests asked for and seen; a record that is not one is skipped with one 
 
 from __future__ import annotations
 
+import json
 import logging
 
-from sluiceway.storage.weights import WeightStore
-from sluiceway.storage.weights.pool_registry import PoolRegistry
+from sluiceway.storage.weights.pool_registry import PoolRecord, PoolRegistry
+from sluiceway.storage.weights.store import WeightStore
 
 
 def test_records_and_drain_requests(store, caplog):
     registry = PoolRegistry(WeightStore(store, "weights"))
     assert registry.records() == {} and not registry.drain_requested("east")
-    registry.write({"pool": "east", "url": "http://e:1", "capacity": 8, "serving": 3, "beat": 1, "extra": "kept"})
-    registry.write({"pool": "west", "state": "draining", "beat": 4})
+    registry.write(PoolRecord(pool="east", url="http://e:1", capacity=8, serving=3, beat=1, extra="kept"))
+    registry.write(PoolRecord(pool="west", state="draining", beat=4))
     records = registry.records()
     assert sorted(records) == ["east", "west"]
     assert (records["east"].capacity, records["east"].serving, records["east"].model_extra) == (8, 3, {"extra": "kept"})
@@ -25,7 +26,8 @@ def test_records_and_drain_requests(store, caplog):
     assert sorted(registry.records()) == ["west"] and not registry.drain_requested("east")
     registry.remove("nobody")  # nothing to remove: no error
 
-    registry.wstore.write_pool_status("broken", {"pool": "broken", "capacity": 0})  # capacity must be >= 1
+    ws = registry.wstore  # written by something else than an agent: capacity must be >= 1
+    ws.put_text(ws.path("pools", "broken.json"), json.dumps({"pool": "broken", "capacity": 0}))
     with caplog.at_level(logging.WARNING, "sluiceway.pools"):
         assert sorted(registry.records()) == ["west"]
         assert sorted(registry.records()) == ["west"]

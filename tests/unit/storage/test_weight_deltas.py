@@ -339,7 +339,7 @@ def test_newest_is_one_read_of_the_hint_and_listing_survives_a_pruned_directory(
         real = getattr(wstore.fs, name)
         monkeypatch.setattr(wstore.fs, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))
     assert wstore.newest() == 3 and calls == ["cat_file"]
-    wstore._put_text(wstore.path("latest.json"), "{not json")
+    wstore.put_text(wstore.path("latest.json"), "{not json")
     assert wstore.newest() == 3 == wstore.latest()  # the listing decides
     calls.clear()
     real_glob, failures = wstore.fs.glob, [FileNotFoundError("v000001 vanished")]

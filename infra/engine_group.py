@@ -1,7 +1,11 @@
-"""A pool of rollout engines behind one sglang-router: engines we start, and engines someone else runs.
+"""A group of rollout engines behind one sglang-router: engines we start, and engines someone else runs.
 
-    with SGLangRouter(log_dir) as router, EnginePool("tiny-llama", 2, log_dir, router=router) as pool:
-        client = EngineClient(router.url, pool.urls)
+    with SGLangRouter(log_dir) as router, EngineGroup("tiny-llama", 2, log_dir, router=router) as group:
+        client = EngineClient(router.url, group.urls)
+
+A group is what one process runs behind its own router: a run's engines (flows/engines.py), a pool's at its site
+(flows/pools.py), a teacher's. "Pool" is kept for a remote site a run sends groups of samples to
+(tasks/rollout/pool_directory.py), and for Prefect's work pool.
 
 Started engines are ``sluiceway engine`` processes (the embedded engine, SGLang's HTTP API) on free loopback
 ports, each in its own process group with its log in ``log_dir``; they are registered with the router only
@@ -31,13 +35,13 @@ from sluiceway.infra.proc import child_env, die_with_parent, free_port
 from sluiceway.infra.router import HOST, SGLangRouter, log_tail, stop_process_group
 
 
-class PoolError(RuntimeError):
+class EngineGroupError(RuntimeError):
     pass
 
 
 @dataclass
 class EngineProcess:
-    """One engine of the pool: a process we started, or an external URL we only route to."""
+    """One engine of the group: a process we started, or an external URL we only route to."""
 
     url: str
     process: subprocess.Popen | None = None  # None: external, not ours to stop
@@ -54,7 +58,7 @@ def _normalize(url: str) -> str:
     return url if "://" in url else f"http://{url}"  # slime's addrs are often bare host:port
 
 
-class EnginePool:
+class EngineGroup:
     """Owns ``num_engines`` engine processes (plus any external URLs) and keeps the router's worker list in step."""
 
     def __init__(
@@ -73,7 +77,7 @@ class EnginePool:
         launcher: Callable[[int, int], tuple[list[str], dict[str, str]]] | None = None,
     ) -> None:
         if num_engines and not model:
-            raise ValueError("EnginePool: a model is needed to start engines")
+            raise ValueError("EngineGroup: a model is needed to start engines")
         self.model = model
         self.num_engines = num_engines
         self.log_dir = Path(log_dir)
@@ -96,7 +100,7 @@ class EnginePool:
 
     @property
     def urls(self) -> list[str]:
-        """Every engine still in the pool (started and external), in start order."""
+        """Every engine still in the group (started and external), in start order."""
         return [e.url for e in self.engines]
 
     def _engine_env(self) -> dict[str, str]:
@@ -135,7 +139,7 @@ class EnginePool:
         return self.spawn().wait_ready()
 
     def spawn(self) -> Self:
-        """Launch the embedded engines without waiting for them: several pools can then load their models at
+        """Launch the embedded engines without waiting for them: several groups can then load their models at
         once, from the thread that owns them (engines die with the thread that started them: infra/proc.py)."""
         if self._started:
             return self
@@ -187,7 +191,7 @@ class EnginePool:
                         self.engines[self.engines.index(e)] = again
                         pending[pending.index(e)] = again
                         continue
-                    raise PoolError(
+                    raise EngineGroupError(
                         f"engine {e.url} exited with code {e.process.returncode} while starting; "
                         f"log {e.log_path}:\n{log_tail(e.log_path)}"
                     )
@@ -195,7 +199,7 @@ class EnginePool:
                     pending.remove(e)
             if pending and time.monotonic() > deadline:
                 where = ", ".join(f"{e.url} (log {e.log_path})" if e.log_path else e.url for e in pending)
-                raise PoolError(f"engines not healthy in {timeout_s:.0f}s: {where}")
+                raise EngineGroupError(f"engines not healthy in {timeout_s:.0f}s: {where}")
             if pending:
                 time.sleep(0.2)
 
@@ -205,7 +209,7 @@ class EnginePool:
 
     def check(self) -> list[str]:
         """Drop engines that died (process exited, or ``failure_threshold`` failed health checks in a row):
-        they leave the pool and the router. Returns their URLs."""
+        they leave the group and the router. Returns their URLs."""
         dead: list[EngineProcess] = []
         for e in self.engines:
             if e.process is not None and e.process.poll() is not None:
@@ -227,7 +231,7 @@ class EnginePool:
         """SIGKILL engine ``index`` (tests: a crash mid-rollout). It stays listed until ``check()``."""
         e = self.engines[index]
         if e.process is None:
-            raise PoolError(f"engine {e.url} is external: not ours to kill")
+            raise EngineGroupError(f"engine {e.url} is external: not ours to kill")
         os.killpg(e.process.pid, signal.SIGKILL)
         e.process.wait()
         return e.url
