@@ -7,7 +7,7 @@ import pytest
 from sluiceway.flows.cli import make_parser, resolve_config
 from sluiceway.flows.config import TrainingConfig
 from sluiceway.flows.precision import resolve_precision
-from sluiceway.infra import precision
+from sluiceway.infra import held_lines, precision
 from sluiceway.infra.errors import UserError
 
 
@@ -69,10 +69,13 @@ def test_the_choice_is_one_log_line_when_the_flow_starts(monkeypatch, caplog):
     """The CLI resolves `auto` silently (a data mistake found after it must stay the only line); the flow logs
     why, once."""
     monkeypatch.setattr(precision, "probe_cpu", lambda refresh=False: precision.CpuProbe(200.0, 2.8, 2))
+    held_lines.drop()  # what other tests of this process held
     cfg = resolve_precision(cfg_from(["run", "--prompt-data", "env:arithmetic"]), announce=False)
     assert cfg.training.precision == "fp32" and not caplog.records
     with caplog.at_level("INFO", logger="sluiceway"):
         resolve_precision(cfg)  # the flow, with the already resolved config
+        assert not caplog.records  # held until the run starts (infra/held_lines.py)
+        held_lines.flush()  # the flow has its inputs: the run starts (flows/live_run.py `take_prepared`)
     lines = [r.getMessage() for r in caplog.records]
     want = "precision: fp32 (auto: a layer's training and decode work runs at only 0.01x"
     assert len(lines) == 1 and lines[0].startswith(want)

@@ -1,5 +1,5 @@
 """Every flow a deployment starts (the Prefect UI, `sluiceway serve`) takes the run's lock itself, as the CLI does
-before it starts one (flows/scaffold.run_locked): a second run on a live run's directory is refused with the one
+before it starts one (flows/live_run.py open_run): a second run on a live run's directory is refused with the one
 line naming the first, before anything is prepared."""
 
 import multiprocessing as mp
