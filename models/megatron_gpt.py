@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from sluiceway.infra.proc import loopback_collectives, loopback_store
-from sluiceway.models.fused_logprobs import token_logprob_entropy
+from sluiceway.models.fused_logprobs import compiled_on, linear_token_logprob_entropy, token_logprob_entropy
 from sluiceway.models.megatron_attention import cpu_layer_spec
 
 with warnings.catch_warnings():
@@ -39,6 +39,7 @@ with warnings.catch_warnings():
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.models.gpt import GPTModel
     from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -305,7 +306,9 @@ class _DeviceLocalRotaryEmbedding(RotaryEmbedding):
 
     def get_emb(self, max_seq_len: int, offset: int = 0) -> Tensor:
         if self.positions is not None:
-            table = self._emb(int(self.positions.max()) + 1, 0)
+            # A token's position never exceeds its column (a sample's prompt is laid out before it), so a table
+            # of the row's length covers them all without reading their max back from the device (a sync).
+            table = self._emb(max(max_seq_len, self.positions.size(0)), 0)
             return table[self.positions].unsqueeze(2)  # [s, b, 1, d]: broadcasts over heads like [s, 1, 1, d]
         return self._emb(max_seq_len, offset)[:, None, None, :]
 
@@ -331,6 +334,11 @@ def build_gpt_model(
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("call init_parallel_state() before build_gpt_model()")
     device = torch.device(device)
+    if device.type == "cuda" and "bias_activation_fusion" not in config_overrides and compiled_on(device):
+        # megatron's fused SwiGLU (torch.compile'd, so only where compiling works): one kernel each way instead
+        # of four, and backward recomputes silu from the fc1 output instead of keeping its result (a
+        # [tokens, ffn] tensor a layer: 3.8 GiB at the 1.5B shape of issue 44). CPU keeps the exact unfused ops.
+        config_overrides["bias_activation_fusion"] = True
     config = transformer_config_from_hf(hf_config, dtype=dtype, **config_overrides)
     rope_scaling, rope_factor = _rope_scaling_from_hf(hf_config)
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -425,6 +433,7 @@ def gpt_logits(
     seq_first: bool = False,
     keep: Tensor | None = None,
     position_ids: Tensor | None = None,
+    hidden_only: bool = False,
 ) -> Tensor:
     """Logits [b, s - first_position, vocab / tp] (this rank's vocab shard under TP), causal, no padding mask needed.
 
@@ -435,7 +444,8 @@ def gpt_logits(
     as several layers, and a policy loss needs no logits at prompt positions. `seq_first` returns the output
     layer's own [s - first_position, b, vocab] tensor, saving the model's batch-first copy of it. `keep` (flat
     indices into the [s, b] positions, seq-major) computes logits at those positions only: [len(keep), 1, vocab],
-    seq-first.
+    seq-first. `hidden_only` returns the output layer's input instead (seq-first, hidden wide), for callers that
+    apply the output layer themselves (`logprobs_at`'s fused path); the layer then runs on one row.
     """
     b, s = input_ids.shape
     default_positions = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
@@ -445,6 +455,9 @@ def gpt_logits(
     def keep_tail(_module, args, kwargs):  # hidden states [s, b, h] reach the output layer as its first input
         h = args[0]
         h = h.reshape(-1, 1, h.size(-1)).index_select(0, keep) if keep is not None else h[max(first_position, 0) :]
+        if hidden_only:
+            captured.append(h)
+            h = h[:1, :1]
         return (h, *args[1:]), kwargs
 
     def capture(_module, _args, output):  # (logits [s, b, v], bias): the model transposes a one-column view
@@ -452,9 +465,9 @@ def gpt_logits(
         return output[0][..., :1], output[1]
 
     hooks = []
-    if first_position > 0 or keep is not None:
+    if first_position > 0 or keep is not None or hidden_only:
         hooks.append(model.output_layer.register_forward_pre_hook(keep_tail, with_kwargs=True))
-    if seq_first:
+    if seq_first and not hidden_only:
         hooks.append(model.output_layer.register_forward_hook(capture))
     rope = model.rotary_pos_emb
     rope.positions = position_ids.t() if position_ids is not None else None
@@ -464,7 +477,27 @@ def gpt_logits(
         rope.positions = None
         for h in hooks:
             h.remove()
-    return captured[0] if seq_first else out
+    return captured[0] if seq_first or hidden_only else out
+
+
+# Whether `logprobs_at` applies the output layer itself in chunks (`linear_token_logprob_entropy`): None means
+# on GPUs only. On CPU the output layer's logits and the cache-sized chunks of `token_logprob_entropy` are as
+# fast and give the embedded engine's numbers bit for bit; tests set True to check the fused path there.
+FUSED_OUTPUT_LAYER: bool | None = None
+
+
+def fused_output_weight(model: GPTModel, device: torch.device) -> Tensor | None:
+    """The output layer's weight (the tied embedding's where shared) when `logprobs_at` may fuse the output layer
+    with the log-prob: one tensor-parallel rank (the vocab whole), megatron's own bias-free output layer (not a
+    value head), and FUSED_OUTPUT_LAYER (or, unset, a GPU). None: the output layer makes the logits."""
+    wanted = FUSED_OUTPUT_LAYER if FUSED_OUTPUT_LAYER is not None else device.type != "cpu"
+    layer = getattr(model, "output_layer", None)
+    if not wanted or type(layer) is not ColumnParallelLinear or getattr(layer, "bias", None) is not None:
+        return None
+    if parallel_state.get_tensor_model_parallel_world_size() != 1:
+        return None
+    # megatron's shared_embedding_or_output_weight() is the embedding's on the first stage, tied or not.
+    return model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else layer.weight
 
 
 def logprobs_at(
@@ -484,6 +517,11 @@ def logprobs_at(
     prompt's last position predicts every response's first token). Under TP the logits are vocab-parallel.
     """
     b = input_ids.size(0)
+    weight = fused_output_weight(model, input_ids.device)
+    if weight is not None:  # neither the [k, vocab] logits nor their gradient are ever whole
+        hidden = gpt_logits(model, input_ids, attention_mask, keep=positions * b + rows, position_ids=position_ids,
+                            hidden_only=True)[:, 0]  # fmt: skip
+        return linear_token_logprob_entropy(hidden, weight, targets, temperature)
     logits = gpt_logits(model, input_ids, attention_mask, keep=positions * b + rows, position_ids=position_ids)[:, 0]
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return token_logprob_entropy(logits, targets, temperature)

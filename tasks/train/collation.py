@@ -39,9 +39,22 @@ class MicroBatch:
     targets: torch.Tensor | None = None  # [n, w-1] the token at t+1 of each sample, laid-out rows only
     teacher_logprobs: torch.Tensor | None = None  # [n, w-1] OPD's stored teacher log-probs, when all samples have them
     names: list[str] | None = None  # per sample, " (group G, sample I)" or "": to name one in an error
+    # (sample, t) of every position where loss_mask > 0, found while the batch is on the host: on a GPU `nonzero`
+    # waits for the device, a synchronisation inside the step (issue 44).
+    loss_rows: torch.Tensor | None = None
+    loss_cols: torch.Tensor | None = None
 
-    def to(self, device: torch.device) -> MicroBatch:
-        return MicroBatch(**{k: t.to(device) if isinstance(t, torch.Tensor) else t for k, t in vars(self).items()})
+    def to(self, device: torch.device, non_blocking: bool = False) -> MicroBatch:
+        """The batch on `device`. `non_blocking` (to a GPU): through pinned memory, so the copies never wait for
+        the device; a plain copy from pageable memory waits for the work queued before it."""
+        pin = non_blocking and device.type == "cuda"
+
+        def move(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            return (t.pin_memory() if pin and t.device.type == "cpu" else t).to(device, non_blocking=pin)
+
+        return MicroBatch(**{k: move(t) for k, t in vars(self).items()})
 
     def per_sample(self, x: torch.Tensor) -> torch.Tensor:
         """Model output [rows, s-1] -> the per-sample layout [n, w-1]."""
@@ -76,11 +89,13 @@ def collate(samples: list[TrainSample], pad_id: int, rows: list[list[int]] | Non
         for i, s in enumerate(samples):
             p, r = len(s.prompt_token_ids), len(s.response_token_ids)
             teacher[i, p - 1 : p - 1 + r] = torch.tensor(s.teacher_logprobs, dtype=torch.float32)
+    loss_rows, loss_cols = (mask > 0).nonzero(as_tuple=True)
     if rows is None:
         ids = torch.full((n, w), pad_id, dtype=torch.long)
         for i, s in enumerate(samples):
             ids[i, : lengths[i]] = torch.tensor(s.prompt_token_ids + s.response_token_ids)
-        return MicroBatch(ids, mask, adv, rlp, rewards=rewards, teacher_logprobs=teacher, names=names)
+        return MicroBatch(ids, mask, adv, rlp, rewards=rewards, teacher_logprobs=teacher, names=names,
+                          loss_rows=loss_rows, loss_cols=loss_cols)  # fmt: skip
     layouts = [_lay_out_row([samples[i] for i in row]) for row in rows]
     width = max(len(tokens) for tokens, *_ in layouts)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -98,7 +113,8 @@ def collate(samples: list[TrainSample], pad_id: int, rows: list[list[int]] | Non
             sample = samples[i]
             targets[i, : lengths[i] - 1] = torch.tensor((sample.prompt_token_ids + sample.response_token_ids)[1:])
     return MicroBatch(ids, mask, adv, rlp, packed_attention_mask(segments, members), unpack, rewards,
-                       position_ids=positions, targets=targets, teacher_logprobs=teacher, names=names)  # fmt: skip
+                       position_ids=positions, targets=targets, teacher_logprobs=teacher, names=names,
+                       loss_rows=loss_rows, loss_cols=loss_cols)  # fmt: skip
 
 
 def _lay_out_row(samples: list[TrainSample]):

@@ -395,6 +395,7 @@ def policy_objective(
     n_tokens: float,
     n_seqs: float,
     max_response_len: float,
+    as_tensors: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The policy's loss on one micro-batch of an optimizer step, and its share of the step's statistics.
 
@@ -415,6 +416,9 @@ def policy_objective(
     old), tis_weight_mean (1 without use_tis), tis_clipfrac (weights clamped or masked), tis_masked_frac (weight
     0), tis_masked_seq_frac (share of the step's sequences all of whose trained tokens have weight 0: mis's
     masked sequences), and a custom function's tis_<name>.
+
+    The statistics are floats, or with `as_tensors` float64 0-dim tensors on the loss's device holding the same
+    values: reading a float waits for the device, and the trainer reads a step's statistics once (issue 44).
     """
     a = algorithm
     # What the aggregation divides by (see `aggregate`): tokens, sequences, or Dr. GRPO's constant.
@@ -440,26 +444,35 @@ def policy_objective(
     else:
         weights, bounded = torch.ones_like(old_logp), torch.zeros_like(mask, dtype=torch.bool)
     loss = agg(pg)
-    stats = {"pg_loss": loss.item(), "kl": 0.0}
+    no_kl = torch.zeros((), device=loss.device)
+    stats = {"pg_loss": _share(loss, 1.0, as_tensors), "kl": _share(no_kl, 1.0, as_tensors)}
     if ref_logp is not None:
         kl = agg(kl_penalty(logp, ref_logp, a.kl_loss_type))
         loss = loss + a.kl_loss_coef * kl
-        stats["kl"] = kl.item()
+        stats["kl"] = _share(kl, 1.0, as_tensors)
     ent = agg(entropy)
     if a.entropy_coef:
         loss = loss - a.entropy_coef * ent
     # Token-averaged diagnostics over the whole optimizer step.
     gap = (logp.detach() - rollout_logp).abs() * mask  # training-inference mismatch per token
+    per_token = max(n_tokens, 1.0)
     stats |= {
-        "loss": loss.item(),
-        "entropy": ent.item(),
-        "clipfrac": float((clipped * mask).sum()) / max(n_tokens, 1.0),
-        "ratio": float((torch.exp(logp.detach() - old_logp) * mask).sum()) / max(n_tokens, 1.0),
-        "logprob_mismatch": float(gap.sum()) / max(n_tokens, 1.0),
-        "logprob_mismatch_max": float(gap.max()),
+        "loss": _share(loss, 1.0, as_tensors),
+        "entropy": _share(ent, 1.0, as_tensors),
+        "clipfrac": _share((clipped * mask).sum(), per_token, as_tensors),
+        "ratio": _share((torch.exp(logp.detach() - old_logp) * mask).sum(), per_token, as_tensors),
+        "logprob_mismatch": _share(gap.sum(), per_token, as_tensors),
+        "logprob_mismatch_max": _share(gap.max(), 1.0, as_tensors),
     }
-    stats |= _mismatch_stats(old_logp, rollout_logp, mask, weights, bounded, tis_metrics, n_tokens, n_seqs)
+    stats |= _mismatch_stats(old_logp, rollout_logp, mask, weights, bounded, tis_metrics, n_tokens, n_seqs,
+                             as_tensors)  # fmt: skip
     return loss, stats
+
+
+def _share(x: torch.Tensor, denom: float, as_tensor: bool) -> float | torch.Tensor:
+    """x's value / denom: a float, or a float64 0-dim tensor on x's device (the same number: float64 division of
+    the same single value, as Python's float division is)."""
+    return x.detach().double() / denom if as_tensor else float(x.detach()) / denom
 
 
 def _mismatch_stats(
@@ -471,13 +484,14 @@ def _mismatch_stats(
     extra: dict[str, torch.Tensor],
     n_tokens: float,
     n_seqs: float,
+    as_tensors: bool = False,
 ) -> dict[str, float]:
     """This micro-batch's share of the step's mismatch statistics (see `policy_objective`)."""
     m = mask.to(old_logp.dtype)
     trained = m > 0
 
     def token_share(x: torch.Tensor) -> float:
-        return float((x.to(m.dtype).expand_as(m) * m).sum()) / max(n_tokens, 1.0)
+        return _share((x.to(m.dtype).expand_as(m) * m).sum(), max(n_tokens, 1.0), as_tensors)
 
     masked = (weights == 0) & trained
     seq_masked = trained.any(-1) & (masked.sum(-1) == trained.sum(-1))
@@ -486,7 +500,7 @@ def _mismatch_stats(
         "tis_weight_mean": token_share(weights),
         "tis_clipfrac": token_share(bounded),
         "tis_masked_frac": token_share(masked),
-        "tis_masked_seq_frac": float(seq_masked.sum()) / max(n_seqs, 1.0),
+        "tis_masked_seq_frac": _share(seq_masked.sum(), max(n_seqs, 1.0), as_tensors),
     }
     for name, value in extra.items():
         out[name if name.startswith("tis_") else f"tis_{name}"] = token_share(torch.as_tensor(value).detach())

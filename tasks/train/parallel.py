@@ -62,6 +62,25 @@ def reduce_step_metrics(sums: dict[str, float], max_keys: tuple[str, ...] = ()) 
     return out
 
 
+def reduce_step_metric_tensors(
+    sums: dict[str, torch.Tensor], max_keys: tuple[str, ...] = ()
+) -> dict[str, torch.Tensor]:
+    """`reduce_step_metrics` for metrics held as 0-dim float64 tensors on the device: the reduction stays there (one
+    collective for the sums, one for the maxima), so reading the step's metrics is the step's one wait for the
+    device (issue 44)."""
+    if parallel_state.get_data_parallel_world_size() == 1:
+        return sums
+    group = parallel_state.get_data_parallel_group()
+    summed = sorted(k for k in sums if k not in max_keys)
+    out = {}
+    for keys, op in ((summed, dist.ReduceOp.SUM), ([k for k in max_keys if k in sums], dist.ReduceOp.MAX)):
+        if keys:
+            t = torch.stack([sums[k] for k in keys])
+            dist.all_reduce(t, op=op, group=group)
+            out |= dict(zip(keys, t.unbind()))
+    return out
+
+
 def gather_tensor_parallel(state: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     """Every TP rank's `state`, in TP rank order (a list of one at TP=1)."""
     tp = parallel_state.get_tensor_model_parallel_world_size()

@@ -7,7 +7,7 @@ Weights leave the trainer in HF names, from the fp32 masters. With `use_distribu
 rank keeps only its shard of the masters and of AdamW's moments (ZeRO-1, zero.py).
 
 The trainer holds the models, optimizer and parallel layout and runs the steps; what a step uses lives beside it:
-the samples (`TrainSample`) in batch.py, their micro-batches in collation.py, the objectives in losses.py, the
+the samples (`TrainSample`) in samples.py, their micro-batches in collation.py, the objectives in losses.py, the
 LR schedule in lr_schedule.py, the checkpoint directory format in checkpoint.py, the critic in critic.py. What
 trains of the model (every weight, or adapters on a frozen base) is a transform it composes (model_transform.py);
 the memory this all takes is planned in memory_plan.py.
@@ -33,7 +33,6 @@ from sluiceway.models.megatron_gpt import (  # megatron.core through here: it si
     logprobs_at,
     parallel_state,
     recompute_overrides,
-    token_logprobs_and_entropy,
 )
 from sluiceway.models.zoo import load_hf_state_dict
 from sluiceway.tasks.sync.disk import write_weight_version
@@ -48,7 +47,7 @@ from sluiceway.tasks.train.micro_batches import plan_micro_batches, shard_for_ra
 from sluiceway.tasks.train.model_transform import model_transform
 from sluiceway.tasks.train.opd import DistillationTerm
 from sluiceway.tasks.train.optim import adamw, step_master_weights
-from sluiceway.tasks.train.parallel import is_tensor_parallel, reduce_step_metrics
+from sluiceway.tasks.train.parallel import is_tensor_parallel, reduce_step_metric_tensors, reduce_step_metrics
 from sluiceway.tasks.train.weight_rounding import MasterRounding
 from sluiceway.tasks.train.zero import ShardedAdamW, state_bytes
 
@@ -170,20 +169,31 @@ class PolicyTrainer:
         """Per-token (log-prob, entropy) in the micro-batch's per-sample layout [n, w-1], where the loss mask is set
         (zeros elsewhere: no loss reads a log-prob there, so the output layer skips those positions)."""
         temperature = self.temperature if temperature is None else temperature
-        needed = mb.loss_mask > 0
-        if mb.unpack is None:
-            return token_logprobs_and_entropy(model, mb.input_ids, temperature, needed=needed)
-        sample, t = needed.nonzero(as_tuple=True)
-        flat = mb.unpack[sample, t]
-        width = mb.input_ids.size(1)
-        logp, ent = logprobs_at(model, mb.input_ids, flat // width, flat % width, mb.targets[sample, t], temperature,
-                                mb.attention_mask, mb.position_ids)  # fmt: skip
-        zeros = torch.zeros(needed.shape, dtype=logp.dtype, device=logp.device)
+        if mb.loss_rows is not None:  # found on the host by collate: no `nonzero` waiting for the device
+            sample, t = mb.loss_rows, mb.loss_cols
+        else:
+            sample, t = (mb.loss_mask > 0).nonzero(as_tuple=True)
+        if mb.unpack is None:  # one sample a row: position t of row `sample` predicts the token at t + 1
+            rows, positions, targets = sample, t, mb.input_ids[sample, t + 1]
+        else:
+            flat = mb.unpack[sample, t]
+            width = mb.input_ids.size(1)
+            rows, positions, targets = flat // width, flat % width, mb.targets[sample, t]
+        logp, ent = logprobs_at(model, mb.input_ids, rows, positions, targets, temperature, mb.attention_mask,
+                                mb.position_ids)  # fmt: skip
+        zeros = torch.zeros(mb.loss_mask.shape, dtype=logp.dtype, device=logp.device)
         return zeros.index_put((sample, t), logp), zeros.index_put((sample, t), ent)
 
     def _plan(self, samples: list[TrainSample], step: int) -> list[OptimizerStep]:
-        return plan_optimizer_steps(samples, step, self.training, self.pad_token_id, self.dp_size, self.dp_rank,
-                                    self.device)  # fmt: skip
+        """The step's micro-batches, collated on the host and then moved: to a GPU through pinned memory, so the
+        copies never wait for the device (a copy from pageable memory waits for the work queued before it)."""
+        host = torch.device("cpu")
+        steps = plan_optimizer_steps(samples, step, self.training, self.pad_token_id, self.dp_size, self.dp_rank,
+                                     host)  # fmt: skip
+        if self.device != host:
+            for st in steps:
+                st.batches = [mb.to(self.device, non_blocking=True) for mb in st.batches]
+        return steps
 
     def train_rollout(self, samples: list[TrainSample], step: int) -> dict[str, float]:
         """num_steps_per_rollout optimizer steps over one rollout's samples; returns averaged metrics.
@@ -234,36 +244,58 @@ class PolicyTrainer:
         }
         return out | token_metrics
 
-    def _accumulate(self, st: OptimizerStep, old_logps: list[torch.Tensor] | None) -> dict[str, float]:
-        """Forward and backward over this rank's micro-batches of one optimizer step; grads accumulate."""
+    def _accumulate(self, st: OptimizerStep, old_logps: list[torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """Forward and backward over this rank's micro-batches of one optimizer step; grads accumulate.
+
+        Nothing here waits for the device (tests/gpu/test_sync_free_step.py): the metrics stay on it, as 0-dim
+        float64 tensors (the values Python floats held before: float64 sums of the same float32 numbers), and
+        each micro-batch's loss is kept (`self._losses`) for the check that the step reads them in.
+        """
         self.model.train()
         self.trainable.train()
         keys = ("loss", "pg_loss", "kl", "entropy", "clipfrac", "ratio", "logprob_mismatch", "logprob_mismatch_max",
                 "mismatch_kl", "tis_weight_mean", "tis_clipfrac", "tis_masked_frac", "tis_masked_seq_frac")  # fmt: skip
-        sums = dict.fromkeys(keys, 0.0)
-        bad: list[str] = []  # this rank's samples whose numbers made the loss NaN or inf, for the error
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        sums = dict.fromkeys(keys, zero)
+        self._losses: list[torch.Tensor] = []
         for i, mb in enumerate(st.batches):
-            logp, entropy = self._logprobs(self.model, mb)
-            old = old_logps[i] if old_logps is not None else logp.detach()
-            ref_logp = self._ref_logprobs(mb) if self._has_reference() else None
-            advantages = mb.advantages
-            if self.opd is not None:  # A - opd_kl_coef x (student - teacher log-prob): tasks/train/opd.py
-                advantages, kl = self.opd.shift(mb, old)
-                sums["opd/reverse_kl"] = sums.get("opd/reverse_kl", 0.0) + float(kl.sum()) / st.n_tokens
+            logp, entropy, old, ref_logp, advantages, kl = self._policy_inputs(mb, i, old_logps)
+            if kl is not None:
+                sums["opd/reverse_kl"] = sums.get("opd/reverse_kl", zero) + kl.sum().double() / st.n_tokens
             loss, stats = policy_objective(
                 logp, old, advantages, mb.loss_mask, self.algorithm, entropy=entropy, rollout_logp=mb.rollout_logprobs,
                 ref_logp=ref_logp, n_tokens=st.n_tokens, n_seqs=st.n_seqs,
-                max_response_len=float(self.max_response_len or st.longest),
+                max_response_len=float(self.max_response_len or st.longest), as_tensors=True,
             )  # fmt: skip
-            if not math.isfinite(stats["loss"]):
-                bad += non_finite_samples(mb, {"policy log-prob": logp, "entropy": entropy, "old log-prob": old,
-                                               "reference log-prob": ref_logp, "advantage": advantages})  # fmt: skip
             loss.backward()
-            for k, v in stats.items():
-                sums[k] = max(sums[k], v) if k == "logprob_mismatch_max" else sums.get(k, 0.0) + v  # + tis_<name>
-        self._blame = blame(bad, sum(mb.advantages.size(0) for mb in st.batches))
+            self._losses.append(stats["loss"])
+            for k, v in stats.items():  # + tis_<name>
+                sums[k] = torch.maximum(sums[k], v) if k == "logprob_mismatch_max" else sums.get(k, zero) + v
         # Each DP rank holds shares of global sums; TP ranks of one DP rank computed the same values.
-        return reduce_step_metrics(sums, max_keys=("logprob_mismatch_max",))
+        return reduce_step_metric_tensors(sums, max_keys=("logprob_mismatch_max",))
+
+    def _policy_inputs(self, mb: MicroBatch, i: int, old_logps: list[torch.Tensor] | None):
+        """(log-prob, entropy, old log-prob, reference log-prob or None, advantages, OPD's KL or None) of
+        micro-batch `i`: what its policy loss reads."""
+        logp, entropy = self._logprobs(self.model, mb)
+        old = old_logps[i] if old_logps is not None else logp.detach()
+        ref_logp = self._ref_logprobs(mb) if self._has_reference() else None
+        advantages, kl = mb.advantages, None
+        if self.opd is not None:  # A - opd_kl_coef x (student - teacher log-prob): tasks/train/opd.py
+            advantages, kl = self.opd.shift(mb, old)
+        return logp, entropy, old, ref_logp, advantages, kl
+
+    @torch.no_grad()
+    def _blame_non_finite(self, st: OptimizerStep, old_logps: list[torch.Tensor] | None, which: list[int]) -> str:
+        """Of a step whose loss is NaN or inf, the samples to blame: the micro-batches `which` whose loss was not
+        finite run again (the weights are as they were; no dropout) and their per-token numbers are searched."""
+        bad: list[str] = []
+        for i in which:
+            mb = st.batches[i]
+            logp, entropy, old, ref_logp, advantages, _ = self._policy_inputs(mb, i, old_logps)
+            bad += non_finite_samples(mb, {"policy log-prob": logp, "entropy": entropy, "old log-prob": old,
+                                           "reference log-prob": ref_logp, "advantage": advantages})  # fmt: skip
+        return blame(bad, sum(mb.advantages.size(0) for mb in st.batches))
 
     def _has_reference(self) -> bool:
         return self._reference is not None
@@ -277,13 +309,25 @@ class PolicyTrainer:
 
     def _optimizer_step(self, st: OptimizerStep, old_logps: list[torch.Tensor] | None, step: int) -> dict[str, float]:
         sums = self._accumulate(st, old_logps)
-        # The loss is reduced over every rank, so all of them refuse together (no collective is left waiting).
-        self._refuse_non_finite("loss", sums["loss"], step, self._blame)
-        sums["lr"] = self.optimizer.param_groups[0]["lr"]
+        lr = self.optimizer.param_groups[0]["lr"]
         allreduce_gradients(self.trainable)
-        sums["grad_norm"] = float(self._step_master_weights(step))
-        sums["tokens"] = st.n_tokens
-        return sums
+        metrics: dict[str, float] = {}
+
+        def check(norm: torch.Tensor) -> None:
+            """Before anything is stepped: the step's one wait for the device, its metrics, each micro-batch's
+            loss and the gradient norm read in one copy; then a NaN or inf loss or norm is refused."""
+            keys = list(sums)
+            values = torch.stack([sums[k] for k in keys] + [norm.double().to(self.device)] + self._losses).tolist()
+            metrics.update(zip(keys, values))
+            metrics["grad_norm"] = values[len(keys)]
+            # The loss is reduced over every rank, so all of them refuse together (no collective is left waiting).
+            if not math.isfinite(metrics["loss"]):
+                which = [i for i, v in enumerate(values[len(keys) + 1 :]) if not math.isfinite(v)]
+                self._refuse_non_finite("loss", metrics["loss"], step, self._blame_non_finite(st, old_logps, which))
+            self._refuse_non_finite("gradient norm", metrics["grad_norm"], step)
+
+        self._step_master_weights(step, check)
+        return metrics | {"lr": lr, "tokens": st.n_tokens}
 
     def _refuse_non_finite(self, what: str, value: float, step: int, culprit: str = "") -> None:
         """Stop before the optimizer step when `value` (the step's loss or gradient norm) is NaN or inf: the
@@ -308,11 +352,13 @@ class PolicyTrainer:
         st = self._plan(samples, step)[0]
         sums = self._accumulate(st, None)
         allreduce_gradients(self.trainable)
-        return sums, self.transform.gradients()
+        return {k: float(v) for k, v in sums.items()}, self.transform.gradients()
 
-    def _step_master_weights(self, step: int) -> torch.Tensor:
+    def _step_master_weights(self, step: int, check=None) -> torch.Tensor:
+        """Clip, step AdamW and the schedule; `check(norm)` first (default: refuse a NaN or inf norm)."""
         t = self.training
-        check = lambda norm: self._refuse_non_finite("gradient norm", norm, step)  # noqa: E731
+        if check is None:
+            check = lambda norm: self._refuse_non_finite("gradient norm", norm, step)  # noqa: E731
         if self.zero is not None:
             return self.zero.step(self.scheduler, self.tp_flags, t.clip_grad, check)
         return step_master_weights(
