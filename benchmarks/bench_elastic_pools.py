@@ -168,8 +168,8 @@ def measure_pools(setup: Setup, k: int) -> dict:
 def measure_join(setup: Setup) -> dict:
     """One pool from the start; a second started when the run reaches --join-at-step."""
     from sluiceway.storage.object_store import ObjectStore
-    from sluiceway.storage.weights import WeightStore
     from sluiceway.storage.weights.pool_registry import PoolRegistry
+    from sluiceway.storage.weights.store import WeightStore
 
     a = setup.args
     uri = setup.uri("join")

@@ -22,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
 from sluiceway.models.zoo import resolve_checkpoint
-from sluiceway.tasks.train.batch import TrainSample
+from sluiceway.tasks.train.samples import TrainSample
 from sluiceway.tasks.train.trainer import PolicyTrainer
 
 SMOLLM2_135M = dict(

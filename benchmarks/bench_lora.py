@@ -212,8 +212,10 @@ def one_run(args, name: str, work: Path) -> dict:
 def versions(run: dict, work: Path) -> None:
     """Manifests of the run's weight store; for adapter versions also their deltas with the ratio limit lifted."""
     from sluiceway.storage.object_store import ObjectStore
-    from sluiceway.storage.weights import WeightPublisher, WeightStore, materialize
     from sluiceway.storage.weights import safetensors_raw as st
+    from sluiceway.storage.weights.materialize import materialize
+    from sluiceway.storage.weights.publish import WeightPublisher
+    from sluiceway.storage.weights.store import WeightStore
 
     wstore = WeightStore(ObjectStore.from_uri(str(run["out_dir"] / "weight_store")))
     rows = []
@@ -255,7 +257,8 @@ def merge_paths(lora: dict, merged: dict, model_dir: Path, work: Path) -> list[d
     from sluiceway.models.lora import merge_into_hf, read_adapter_dir
     from sluiceway.models.zoo import load_hf_state_dict
     from sluiceway.storage.object_store import ObjectStore
-    from sluiceway.storage.weights import WeightStore, materialize
+    from sluiceway.storage.weights.materialize import materialize
+    from sluiceway.storage.weights.store import WeightStore
 
     base = load_hf_state_dict(model_dir)
     base16 = {k: t.to(torch.bfloat16) for k, t in base.items()}

@@ -38,7 +38,7 @@ def _rank(rank: int, world: int, args: dict, out: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(str(Path(out, "store")), world), rank=rank, world_size=world)
     from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
     from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
-    from sluiceway.tasks.train.batch import TrainSample
+    from sluiceway.tasks.train.samples import TrainSample
     from sluiceway.tasks.train.trainer import PolicyTrainer
 
     torch.set_num_threads(1)

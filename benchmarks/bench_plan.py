@@ -63,8 +63,8 @@ def child(args) -> None:
     from sluiceway.models import megatron_gpt
     from sluiceway.models.zoo import resolve_checkpoint
     from sluiceway.tasks.train import trainer as trainer_module
-    from sluiceway.tasks.train.batch import TrainSample
     from sluiceway.tasks.train.memory_model import PROCESS_RUNTIME
+    from sluiceway.tasks.train.samples import TrainSample
 
     torch.set_num_threads(1)
     base = rss()

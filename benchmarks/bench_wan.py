@@ -85,7 +85,7 @@ class Trainer:
         import torch
 
         from sluiceway.storage.weights import safetensors_raw as st
-        from sluiceway.storage.weights.publish import read_model_dir
+        from sluiceway.storage.weights.model_dir import read_model_dir
 
         self.torch = torch
         self.masters = {}
@@ -110,7 +110,8 @@ def measure_versions(args, model: str, s3, link, store_proxy, work: Path) -> lis
 
     from sluiceway.models.zoo import resolve_checkpoint
     from sluiceway.storage.object_store import ObjectStore
-    from sluiceway.storage.weights import WeightPublisher, WeightStore
+    from sluiceway.storage.weights.publish import WeightPublisher
+    from sluiceway.storage.weights.store import WeightStore
 
     model_dir = resolve_checkpoint(model)
     uri = f"s3://{s3.bucket}/wan-{model}-{uuid.uuid4().hex[:6]}/weights"
@@ -164,7 +165,7 @@ def measure_drop(args, s3, link, store_proxy, work: Path) -> dict:
     from sluiceway.models.zoo import resolve_checkpoint
     from sluiceway.storage.object_store import ObjectStore
     from sluiceway.storage.trajectories import read_trajectories
-    from sluiceway.storage.weights import WeightStore
+    from sluiceway.storage.weights.store import WeightStore
 
     model = args.drop_model
     model_dir = resolve_checkpoint(model)

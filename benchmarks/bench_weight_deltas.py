@@ -96,9 +96,11 @@ def main() -> None:
 
     from sluiceway.models.zoo import resolve_checkpoint
     from sluiceway.storage.object_store import ObjectStore
-    from sluiceway.storage.weights import WeightPublisher, WeightStore, materialize
     from sluiceway.storage.weights import safetensors_raw as st
-    from sluiceway.storage.weights.publish import cast_float, read_model_dir
+    from sluiceway.storage.weights.materialize import materialize
+    from sluiceway.storage.weights.model_dir import read_model_dir
+    from sluiceway.storage.weights.publish import WeightPublisher, cast_float
+    from sluiceway.storage.weights.store import WeightStore
 
     resolve_checkpoint(args.model)  # built or converted once, outside the run
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench-wd-"))

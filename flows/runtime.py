@@ -22,7 +22,7 @@ from sluiceway.infra.sglang_launcher import require_sglang
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.storage.checkpoints import fetch_newer_checkpoint, load_checkpoint, save_checkpoint
 from sluiceway.storage.object_store import ObjectStore
-from sluiceway.storage.weights import WeightPublisher
+from sluiceway.storage.weights.publish import WeightPublisher
 from sluiceway.tasks.environments.adaptive_source import AdaptivePromptSource
 from sluiceway.tasks.filter.filters import scoring_filter, user_filter
 from sluiceway.tasks.reward.score import RewardSettings

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
-from sluiceway.tasks.train.batch import TrainSample
+from sluiceway.tasks.train.samples import TrainSample
 from sluiceway.tasks.train.trainer import PolicyTrainer
 
 

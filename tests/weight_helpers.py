@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from sluiceway.storage.weights import WeightPublisher
 from sluiceway.storage.weights import safetensors_raw as st
+from sluiceway.storage.weights.publish import WeightPublisher
 
 
 def bits(t: torch.Tensor) -> bytes:

@@ -43,7 +43,7 @@ def add_parser(sub) -> None:
 
 def _open(uri: str):
     from sluiceway.storage.object_store import ObjectStore
-    from sluiceway.storage.weights import WeightStore
+    from sluiceway.storage.weights.store import WeightStore
 
     if "://" not in uri and not Path(uri).expanduser().is_dir():
         raise UserError(f"weights: --store {uri} is not a directory")
@@ -66,7 +66,7 @@ def _version(wstore, text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sluiceway.storage.weights import WeightSyncError
+    from sluiceway.storage.weights.errors import WeightSyncError
 
     wstore = _open(args.store)
     try:
@@ -119,7 +119,7 @@ def _width(dtype: str) -> int:
 
 
 def _apply(wstore, args) -> int:
-    from sluiceway.storage.weights import local_version, materialize
+    from sluiceway.storage.weights.materialize import local_version, materialize
 
     version = _version(wstore, args.version)
     to = Path(args.to).expanduser()
@@ -133,7 +133,7 @@ def _apply(wstore, args) -> int:
 
 
 def _verify(wstore, args) -> int:
-    from sluiceway.storage.weights import verify
+    from sluiceway.storage.weights.materialize import verify
 
     version = _version(wstore, args.version)
     m = verify(wstore, version)

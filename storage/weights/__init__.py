@@ -1,12 +1,7 @@
-"""Weight versions on the object store: full HF safetensors copies and lossless deltas, with manifests."""
+"""Weight versions on the object store: full HF safetensors copies and lossless deltas, with manifests.
 
-from sluiceway.storage.weights.errors import BaseMismatch, CorruptWeights, MissingVersion, WeightSyncError
-from sluiceway.storage.weights.manifest import Manifest
-from sluiceway.storage.weights.materialize import local_version, materialize, verify
-from sluiceway.storage.weights.publish import WeightPublisher
-from sluiceway.storage.weights.store import WeightStore
-
-__all__ = [
-    "BaseMismatch", "CorruptWeights", "Manifest", "MissingVersion", "WeightPublisher", "WeightStore",
-    "WeightSyncError", "local_version", "materialize", "verify",
-]  # fmt: skip
+Import each name from the module that defines it (`store.WeightStore`, `publish.WeightPublisher`,
+`materialize.materialize`, ...): this package imports nothing, so a trainer writing a weight version to its own
+disk takes the file formats it needs (tasks/sync/disk.py: `safetensors_raw`, `checksums`, `model_dir`) without
+the object store (tests/unit/repo/test_layering.py).
+"""

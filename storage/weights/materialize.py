@@ -19,7 +19,8 @@ from sluiceway.storage.weights.checksums import write_checksums
 from sluiceway.storage.weights.codec import decode
 from sluiceway.storage.weights.errors import BaseMismatch, CorruptWeights
 from sluiceway.storage.weights.manifest import MANIFEST, Manifest
-from sluiceway.storage.weights.publish import aux_files, read_model_dir, sha256
+from sluiceway.storage.weights.model_dir import aux_files, read_model_dir
+from sluiceway.storage.weights.publish import sha256
 from sluiceway.storage.weights.store import WeightStore
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ import torch
 
 from sluiceway.storage.weights import safetensors_raw
 from sluiceway.storage.weights.checksums import CHECKSUMS, checksums_problem, has_checksums, write_checksums
-from sluiceway.storage.weights.publish import config_with_dtype
+from sluiceway.storage.weights.model_dir import config_with_dtype
 
 log = logging.getLogger("sluiceway")
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from sluiceway.flows.config import RunConfig
 from sluiceway.storage.object_store import ObjectStore
-from sluiceway.storage.weights import WeightPublisher, WeightStore
+from sluiceway.storage.weights.publish import WeightPublisher
+from sluiceway.storage.weights.store import WeightStore
 
 log = logging.getLogger("sluiceway")
 

@@ -17,11 +17,31 @@ masked_whiten: whitening over the tokens where mask == 1
 
 Batch whitening (`whitening_scale`, used by all three whitened estimators) is slime's and verl's: mean and
 Bessel-corrected variance over the trained tokens, (x - mean) / sqrt(var + 1e-8).
+
+For the trainer (`token_advantages`, below): it plans its micro-batches first, then `token_advantages` overwrites
+each micro-batch's broadcast advantages with per-token ones (ppo, reinforce_plus_plus); the PPO-clip loss (dual
+clip, TIS, KL loss, entropy, aggregation) then runs on them unchanged. Per-token rewards are the sample's reward on
+its last trained token minus `kl_coef` x KL(policy || reference) on every trained token (slime's reward-side KL;
+the policy log-probs are the trainer's, before the step). Whitening is over every trained token of the rollout,
+all data-parallel ranks together (sums all-reduced), so a micro-batch's advantages do not depend on how the batch
+was split. The critic whose values GAE reads is tasks/train/critic.py's `Critic`.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
 import torch
+import torch.distributed as dist
+
+from sluiceway.tasks.train.losses import kl_penalty
+
+if TYPE_CHECKING:
+    from sluiceway.flows.config import AlgorithmConfig
+    from sluiceway.tasks.train.collation import MicroBatch
 
 EPS = 1e-6  # GRPO's std: (r - mean) / (std + EPS), as slime and verl (TRL adds 1e-4)
 WHITEN_EPS = 1e-8  # batch whitening: (x - mean) / sqrt(var + WHITEN_EPS), as slime and verl
@@ -211,3 +231,140 @@ def reinforce_pp_returns(
         r = r - kl_coef * kl.detach().to(torch.float32) * m
     returns, _ = gae(r, torch.zeros_like(r), m, gamma=gamma, lam=1.0)
     return masked_whiten(returns, m) if whiten else returns
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sums over the data-parallel group (a no-op on one rank)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _dp_reduce(t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    # Imported here: batch.py builds samples with this module in the flow's process, which never loads megatron.
+    from megatron.core import parallel_state
+
+    if parallel_state.get_data_parallel_world_size() > 1:
+        dist.all_reduce(t, op=op, group=parallel_state.get_data_parallel_group())
+    return t
+
+
+def _masked_sums(xs: list[torch.Tensor], masks: list[torch.Tensor], *fns: Callable) -> list[float]:
+    """[count, sum fn_1(x), sum fn_2(x), ...] over the masked tokens of every tensor, all DP ranks, float64."""
+    rows = [torch.stack([m.double().sum()] + [(f(x).double() * m).sum() for f in fns]) for x, m in zip(xs, masks)]
+    return _dp_reduce(torch.stack(rows).sum(0) if rows else torch.zeros(len(fns) + 1, dtype=torch.float64)).tolist()
+
+
+def whiten(xs: list[torch.Tensor], masks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`masked_whiten` over several tensors (and DP ranks) at once: one mean and variance."""
+    n, s = _masked_sums(xs, masks, lambda x: x)
+    mean = s / max(n, 1.0)
+    _, sq = _masked_sums(xs, masks, lambda x: (x.double() - mean).square())
+    scale = whitening_scale(n, sq)
+    return [((x.double() - mean) * scale * m).to(x.dtype) for x, m in zip(xs, masks)]
+
+
+def _masked_extremes(xs: list[torch.Tensor], masks: list[torch.Tensor]) -> tuple[float, float]:
+    """(min, max) over the masked tokens of every tensor, all DP ranks (a rank may hold no tokens: +-inf)."""
+    hi = max((float(x[m > 0].max()) for x, m in zip(xs, masks) if (m > 0).any()), default=-math.inf)
+    lo = min((float(x[m > 0].min()) for x, m in zip(xs, masks) if (m > 0).any()), default=math.inf)
+    t = _dp_reduce(torch.tensor([hi, -lo], dtype=torch.float64), dist.ReduceOp.MAX).tolist()
+    return (-t[1], t[0]) if math.isfinite(t[0]) else (0.0, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Token-level advantages for the trainer, over its micro-batches
+# ---------------------------------------------------------------------------------------------------------------------
+
+LogProbFn = Callable[["MicroBatch"], torch.Tensor]
+
+
+class ValueModel(Protocol):
+    """What GAE needs of the critic (tasks/train/critic.py: `Critic`): per-token values of a micro-batch."""
+
+    def values(self, mb: MicroBatch) -> torch.Tensor: ...
+
+
+@dataclass
+class ValueTargets:
+    """What the critic regresses on, per micro-batch, in the per-sample layout [n, w-1]."""
+
+    old_values: torch.Tensor  # the critic's values before this rollout's updates (the clip's centre)
+    returns: torch.Tensor  # GAE returns A + V, before whitening
+
+
+def reward_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, kl_type: str) -> torch.Tensor:
+    """Per-token KL(policy || reference) estimate on the trained tokens, no gradient."""
+    return kl_penalty(logp.detach().float(), ref_logp.detach().float(), kl_type) * mask
+
+
+@torch.no_grad()
+def token_advantages(
+    steps: list[list[MicroBatch]],
+    algorithm: AlgorithmConfig,
+    policy_logp: LogProbFn,
+    ref_logp: LogProbFn | None,
+    critic: ValueModel | None,
+    old_logps: list[list[torch.Tensor] | None] | None = None,
+) -> tuple[list[list[ValueTargets]] | None, dict[str, float]]:
+    """Overwrite every micro-batch's `advantages` with per-token ones (whitened over the rollout); return the
+    critic's targets (ppo; grouped like `steps`) and metrics. `old_logps`: the policy's log-probs per micro-batch
+    when the trainer already has them (else `policy_logp` computes them, only when kl_coef > 0)."""
+    a = algorithm
+    batches = [mb for st in steps for mb in st]
+    olds = [lp for st, lps in zip(steps, old_logps or [None] * len(steps)) for lp in (lps or [None] * len(st))]
+    masks = [mb.loss_mask for mb in batches]
+    shaping = a.kl_coef > 0
+    if shaping and ref_logp is None:
+        raise ValueError("kl_coef > 0 needs the reference model's log-probs")
+    kls = [
+        reward_kl(old if old is not None else policy_logp(mb), ref_logp(mb), mb.loss_mask, a.kl_loss_type)
+        if shaping
+        else torch.zeros_like(mb.loss_mask)
+        for mb, old in zip(batches, olds)
+    ]
+    metrics: dict[str, float] = {}
+    targets = None
+    if a.advantage_estimator == "ppo":
+        if critic is None:
+            raise ValueError("advantage_estimator ppo needs a critic")
+        values = [critic.values(mb) for mb in batches]
+        rewards = [terminal_rewards(mb.rewards, mb.loss_mask) - a.kl_coef * kl for mb, kl in zip(batches, kls)]
+        pairs = [gae(r, v, m, gamma=a.gamma, lam=a.lambd) for r, v, m in zip(rewards, values, masks)]
+        raw = [p[0] for p in pairs]
+        metrics |= value_metrics(values, [p[1] for p in pairs], masks)
+        flat = iter([ValueTargets(v, p[1]) for v, p in zip(values, pairs)])
+        targets = [[next(flat) for _ in st] for st in steps]
+    elif a.advantage_estimator == "reinforce_plus_plus":
+        raw = [
+            reinforce_pp_returns(mb.rewards, mb.loss_mask, kl, a.kl_coef, gamma=a.gamma, whiten=False)
+            for mb, kl in zip(batches, kls)
+        ]
+    else:
+        raise ValueError(f"{a.advantage_estimator!r} is not a token-level estimator")
+    advs = whiten(raw, masks)
+    for mb, adv in zip(batches, advs):
+        mb.advantages.copy_(adv)
+    n, s, sq = _masked_sums(advs, masks, lambda x: x, lambda x: x.square())
+    lo, hi = _masked_extremes(advs, masks)
+    mean = s / max(n, 1.0)
+    metrics |= {"adv_mean": mean, "adv_std": math.sqrt(max(sq / max(n, 1.0) - mean**2, 0.0))}
+    metrics |= {"adv_min": lo, "adv_max": hi}
+    if a.kl_coef > 0:
+        n, k = _masked_sums(kls, masks, lambda x: x)
+        metrics["reward_kl"] = k / max(n, 1.0)
+    return targets, metrics
+
+
+def value_metrics(
+    values: list[torch.Tensor], returns: list[torch.Tensor], masks: list[torch.Tensor]
+) -> dict[str, float]:
+    """Mean value and return, and explained variance 1 - Var(R - V) / Var(R), over the rollout's trained tokens
+    (NaN when every return is the same: nothing to explain)."""
+    diffs = [r - v for r, v in zip(returns, values)]
+    n, sv = _masked_sums(values, masks, lambda x: x)
+    _, sr, sr2 = _masked_sums(returns, masks, lambda x: x, lambda x: x.square())
+    _, sd, sd2 = _masked_sums(diffs, masks, lambda x: x, lambda x: x.square())
+    n = max(n, 1.0)
+    var_r = sr2 / n - (sr / n) ** 2
+    var_d = sd2 / n - (sd / n) ** 2
+    explained = 1.0 - var_d / var_r if var_r > 1e-12 else float("nan")
+    return {"value_mean": sv / n, "returns_mean": sr / n, "explained_var": explained}

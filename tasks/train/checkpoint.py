@@ -19,18 +19,33 @@ import json
 import random
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from sluiceway.storage.digests import file_digests
 from sluiceway.tasks.train.zero import restore_optimizer
 
-if TYPE_CHECKING:
-    from sluiceway.tasks.train.trainer import PolicyTrainer
+
+class Checkpointed(Protocol):
+    """What a checkpoint saves and restores of a trainer (tasks/train/trainer.py: `PolicyTrainer`)."""
+
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+    weight_version: int
+    trainable: torch.nn.Module  # its parameters are `param_names`, in order
+    param_names: list[str]
+    zero: Any  # tasks/train/zero.py: ShardedAdamW with --use-distributed-optimizer, else None
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    rounding: Any  # tasks/train/weight_rounding.py: MasterRounding in bf16, else None
+    critic: Any  # tasks/train/critic.py: Critic for advantage_estimator ppo, else None
+
+    def master_state_dict(self) -> dict[str, torch.Tensor]: ...
 
 
-def save_checkpoint(trainer: PolicyTrainer, path: str | Path, step: int) -> None:
+def save_checkpoint(trainer: Checkpointed, path: str | Path, step: int) -> None:
     """Checkpoint directory: per TP rank the model shard, optimizer, LR schedule, RNG states; a meta.json.
 
     A collective (every rank calls it). DP replicas hold the same state, so only DP rank 0 writes (with the
@@ -67,7 +82,7 @@ def save_checkpoint(trainer: PolicyTrainer, path: str | Path, step: int) -> None
     _barrier()
 
 
-def load_checkpoint(trainer: PolicyTrainer, path: str | Path) -> int:
+def load_checkpoint(trainer: Checkpointed, path: str | Path) -> int:
     """Restore a checkpoint written by `save_checkpoint` with the same tensor-parallel size (any DP size, with or
     without the distributed optimizer); returns its step."""
     path = Path(path)

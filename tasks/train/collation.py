@@ -15,8 +15,8 @@ import torch
 
 from sluiceway.flows.config import TrainingConfig
 from sluiceway.models.megatron_gpt import packed_attention_mask
-from sluiceway.tasks.train.batch import TrainSample
 from sluiceway.tasks.train.micro_batches import plan_micro_batches, shard_for_rank
+from sluiceway.tasks.train.samples import TrainSample
 
 
 @dataclass

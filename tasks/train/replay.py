@@ -19,7 +19,8 @@ from sluiceway.infra.errors import UserError
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.tables import open_table, read_table, table_exists
 from sluiceway.storage.trajectories import ABORTED, TRAJECTORIES, read_trajectories
-from sluiceway.tasks.train.batch import TrainSample, build_train_samples, rollout_metrics
+from sluiceway.tasks.train.batch import build_train_samples, rollout_metrics
+from sluiceway.tasks.train.samples import TrainSample
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from typing import Any
 
 from sluiceway.infra.errors import UserError
 from sluiceway.models.chat import encode_prompt
-from sluiceway.tasks.train.batch import TrainSample
+from sluiceway.tasks.train.samples import TrainSample
 
 
 @dataclass(frozen=True)

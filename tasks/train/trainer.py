@@ -36,11 +36,10 @@ from sluiceway.models.megatron_gpt import (  # megatron.core through here: it si
 )
 from sluiceway.models.zoo import load_hf_state_dict
 from sluiceway.tasks.sync.disk import write_weight_version
-from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS
-from sluiceway.tasks.train.batch import NonFiniteTraining, TrainSample, check_samples
+from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS, token_advantages
 from sluiceway.tasks.train.checkpoint import load_checkpoint, save_checkpoint
 from sluiceway.tasks.train.collation import MicroBatch, OptimizerStep, collate, plan_optimizer_steps
-from sluiceway.tasks.train.critic import Critic, needs_reference, token_advantages
+from sluiceway.tasks.train.critic import Critic, needs_reference
 from sluiceway.tasks.train.losses import policy_objective, sft_objective
 from sluiceway.tasks.train.lr_schedule import lr_schedule
 from sluiceway.tasks.train.micro_batches import plan_micro_batches, shard_for_rank
@@ -48,6 +47,7 @@ from sluiceway.tasks.train.model_transform import model_transform
 from sluiceway.tasks.train.opd import DistillationTerm
 from sluiceway.tasks.train.optim import adamw, step_master_weights
 from sluiceway.tasks.train.parallel import is_tensor_parallel, reduce_step_metric_tensors, reduce_step_metrics
+from sluiceway.tasks.train.samples import NonFiniteTraining, TrainSample, check_samples
 from sluiceway.tasks.train.weight_rounding import MasterRounding
 from sluiceway.tasks.train.zero import ShardedAdamW, state_bytes
 

@@ -25,7 +25,7 @@ def tiny(tmp_path_factory):
 
 
 def batches(tok, steps: int, n: int = 8):
-    from sluiceway.tasks.train.batch import TrainSample
+    from sluiceway.tasks.train.samples import TrainSample
 
     rng = random.Random(0)
     out = []

@@ -33,8 +33,8 @@ from sluiceway.models.zoo import resolve_checkpoint
 from sluiceway.storage.metrics import metrics_frame
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.trajectories import read_trajectories
-from sluiceway.storage.weights import WeightStore
 from sluiceway.storage.weights.pool_registry import PoolRegistry
+from sluiceway.storage.weights.store import WeightStore
 
 GATED = f"{DATA / 'gated_generate.py'}:generate"
 HEARTBEAT_S = 1.0  # the pools' heartbeat: silent after 3, dropped after 10 (tasks/rollout/pool_directory.py)

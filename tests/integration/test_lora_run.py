@@ -15,8 +15,8 @@ from sluiceway.models.zoo import load_hf_state_dict, resolve_checkpoint
 from sluiceway.storage.metrics import read_metrics
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.trajectories import read_trajectories
-from sluiceway.storage.weights import WeightStore
 from sluiceway.storage.weights.materialize import materialize
+from sluiceway.storage.weights.store import WeightStore
 
 LORA = ("--lora-rank", "8", "--lora-alpha", "16", "--lr", "1e-2", "--num-rollout", "3")
 

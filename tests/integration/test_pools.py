@@ -13,10 +13,12 @@ import torch
 from sluiceway.flows.pools import PoolsFile, PoolSpec, local_pools
 from sluiceway.models.zoo import resolve_checkpoint
 from sluiceway.storage.object_store import ObjectStore
-from sluiceway.storage.weights import WeightPublisher, WeightStore, materialize
 from sluiceway.storage.weights import safetensors_raw as st
+from sluiceway.storage.weights.materialize import materialize
+from sluiceway.storage.weights.model_dir import read_model_dir
 from sluiceway.storage.weights.pool_registry import PoolRegistry
-from sluiceway.storage.weights.publish import read_model_dir
+from sluiceway.storage.weights.publish import WeightPublisher
+from sluiceway.storage.weights.store import WeightStore
 
 
 def perturbed(base: dict[str, st.RawTensor], step: int) -> dict[str, st.RawTensor]:

@@ -26,10 +26,11 @@ from sluiceway.infra.netns import DelayProxy, NetnsUnavailable, WanLink
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.trajectories import read_trajectories
-from sluiceway.storage.weights import WeightPublisher, WeightStore
 from sluiceway.storage.weights import safetensors_raw as st
-from sluiceway.storage.weights.publish import read_model_dir
+from sluiceway.storage.weights.model_dir import read_model_dir
 from sluiceway.storage.weights.pool_registry import PoolRegistry
+from sluiceway.storage.weights.publish import WeightPublisher
+from sluiceway.storage.weights.store import WeightStore
 from sluiceway.tasks.rollout.dispatch import PoolDispatcher
 from sluiceway.tasks.rollout.pool_target import PoolTarget, own_engines
 

@@ -11,9 +11,7 @@ from pathlib import Path
 from weight_helpers import assert_holds, publish_run
 
 from sluiceway.storage.object_store import ObjectStore
-from sluiceway.storage.weights import (
-    WeightStore,
-)
+from sluiceway.storage.weights.store import WeightStore
 
 # -- corruption: each error names the version and the tensor --------------------------------------------------
 

@@ -12,7 +12,7 @@ from sluiceway.flows.config import RunConfig
 from sluiceway.flows.pools import load_pools
 from sluiceway.infra.errors import UserError
 from sluiceway.storage.object_store import ObjectStore
-from sluiceway.storage.weights import WeightStore
+from sluiceway.storage.weights.store import WeightStore
 
 
 def test_pools_yaml(tmp_path):

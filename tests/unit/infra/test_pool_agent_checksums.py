@@ -10,8 +10,8 @@ from weight_helpers import publish_run
 
 from sluiceway.infra.pool_agent import PoolAgent
 from sluiceway.storage.object_store import ObjectStore
-from sluiceway.storage.weights import WeightStore
 from sluiceway.storage.weights.checksums import CHECKSUMS, checksums_problem
+from sluiceway.storage.weights.store import WeightStore
 
 
 class Recording(PoolAgent):

@@ -11,8 +11,8 @@ from weight_helpers import publish_run
 
 from sluiceway.infra.pool_agent import PoolAgent
 from sluiceway.storage.object_store import ObjectStore
-from sluiceway.storage.weights import WeightStore
 from sluiceway.storage.weights.pool_registry import PoolRegistry
+from sluiceway.storage.weights.store import WeightStore
 
 
 class Scripted(PoolAgent):

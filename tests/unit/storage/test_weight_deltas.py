@@ -19,19 +19,12 @@ from safetensors.torch import load_file
 from weight_helpers import assert_holds, bits, publish_run, small_step, tiny_state
 
 from sluiceway.storage.object_store import ObjectStore
-from sluiceway.storage.weights import (
-    BaseMismatch,
-    CorruptWeights,
-    WeightPublisher,
-    WeightStore,
-    local_version,
-    materialize,
-    verify,
-)
 from sluiceway.storage.weights import safetensors_raw as st
 from sluiceway.storage.weights.codec import decode, encode
-from sluiceway.storage.weights.materialize import apply_delta
-from sluiceway.storage.weights.publish import sha256
+from sluiceway.storage.weights.errors import BaseMismatch, CorruptWeights
+from sluiceway.storage.weights.materialize import apply_delta, local_version, materialize, verify
+from sluiceway.storage.weights.publish import WeightPublisher, sha256
+from sluiceway.storage.weights.store import WeightStore
 
 # Bit patterns the codec must carry untouched: NaNs with several payloads (quiet, signalling, negative),
 # +-inf, -0.0, the smallest and largest denormals.

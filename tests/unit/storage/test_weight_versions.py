@@ -146,7 +146,9 @@ def test_an_adapter_version_records_its_checksums(model_dir, tmp_path):
 def test_checksums_are_not_published_to_the_weight_store(model_dir, tmp_path):
     """checksums.json differs in every version: as a config file it would make every version a full one."""
     from sluiceway.storage.object_store import ObjectStore
-    from sluiceway.storage.weights import WeightPublisher, WeightStore, materialize
+    from sluiceway.storage.weights.materialize import materialize
+    from sluiceway.storage.weights.publish import WeightPublisher
+    from sluiceway.storage.weights.store import WeightStore
 
     base = load_hf_state_dict(model_dir)
     pub = WeightPublisher(WeightStore(ObjectStore.from_uri(str(tmp_path / "store"))), float_dtype="BF16")

@@ -19,8 +19,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
 from sluiceway.models.engine.core import Engine, GenerateRequest, SamplingParams
-from sluiceway.tasks.train.batch import TrainSample
 from sluiceway.tasks.train.collation import collate
+from sluiceway.tasks.train.samples import TrainSample
 from sluiceway.tasks.train.trainer import PolicyTrainer
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -8,7 +8,8 @@ from trainer_helpers import make_trainer
 from sluiceway.flows.faults import explain
 from sluiceway.storage.tables import conform
 from sluiceway.storage.trajectories import TRAJECTORY_SCHEMA, _rows_to_table
-from sluiceway.tasks.train.batch import NonFiniteTraining, TrainSample, build_train_samples, check_samples
+from sluiceway.tasks.train.batch import build_train_samples
+from sluiceway.tasks.train.samples import NonFiniteTraining, TrainSample, check_samples
 
 NAN = float("nan")
 

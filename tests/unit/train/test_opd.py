@@ -10,9 +10,9 @@ from trainer_helpers import make_trainer
 
 from sluiceway.models.engine import Engine, GenerateRequest, SamplingParams
 from sluiceway.models.engine.server import build_app
-from sluiceway.tasks.train.batch import TrainSample
 from sluiceway.tasks.train.collation import collate
 from sluiceway.tasks.train.opd import micro_batch_opd, opd_advantages
+from sluiceway.tasks.train.samples import TrainSample
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 

@@ -17,12 +17,11 @@ from sluiceway.flows.cli import make_parser, resolve_config
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
 from sluiceway.infra.errors import UserError
 from sluiceway.models.value_model import ValueHead
-from sluiceway.tasks.train.advantages import masked_whiten, reinforce_pp_returns
-from sluiceway.tasks.train.batch import TrainSample
+from sluiceway.tasks.train.advantages import ValueTargets, masked_whiten, reinforce_pp_returns, token_advantages
 from sluiceway.tasks.train.collation import collate
-from sluiceway.tasks.train.critic import ValueTargets, token_advantages
 from sluiceway.tasks.train.losses import kl_penalty
 from sluiceway.tasks.train.parallel import is_tensor_parallel
+from sluiceway.tasks.train.samples import TrainSample
 from sluiceway.tasks.train.trainer import PolicyTrainer
 
 PROMPT = [5, 6]  # two prompt tokens: response token j is scored at index 1 + j

@@ -7,7 +7,7 @@ from trainer_helpers import make_trainer, sequence_logprob
 
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
 from sluiceway.models.zoo import load_hf_model
-from sluiceway.tasks.train.batch import TrainSample
+from sluiceway.tasks.train.samples import TrainSample
 from sluiceway.tasks.train.trainer import PolicyTrainer
 
 

@@ -5,9 +5,9 @@ import pytest
 from trainer_group_helpers import assert_same, batch, local_trainer, trainer_kwargs
 
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
-from sluiceway.tasks.train.batch import TrainSample
 from sluiceway.tasks.train.collation import collate
 from sluiceway.tasks.train.micro_batches import plan_micro_batches, shard_for_rank
+from sluiceway.tasks.train.samples import TrainSample
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
