@@ -219,7 +219,27 @@ def _compiled_chunk_kernels(device_type: str) -> tuple[Any, Any] | None:
     except Exception as exc:  # noqa: BLE001 -- any failure to compile means: run the same functions eagerly
         log.warning("torch.compile unavailable on %s (%s): the log-prob chunks run eagerly", device_type, exc)
         return None
-    return stats, grad
+    return _or_eager(stats, _chunk_stats), _or_eager(grad, _chunk_grad)
+
+
+def _or_eager(compiled: Any, eager: Any) -> Any:
+    """`compiled`, until a call fails to compile (a shape or dtype the probe did not meet): from then on `eager`,
+    the same arithmetic, with a warning. Errors the eager function also raises (out of memory) still raise."""
+    state = {"fn": compiled}
+
+    def call(*args):
+        try:
+            return state["fn"](*args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            if state["fn"] is eager:
+                raise
+            log.warning("torch.compile failed for %s (%s): running it eagerly from now on", eager.__name__, exc)
+            state["fn"] = eager
+            return eager(*args)
+
+    return call
 
 
 def _fused_kernels(device: torch.device) -> tuple[Any, Any] | None:

@@ -98,6 +98,7 @@ def test_megatron_model_fused_output_layer_gives_the_same_logprobs_and_gradients
         assert torch.allclose(grads[n], gr, atol=1e-5, rtol=1e-4), n
 
 
+@pytest.mark.slow  # compiling on 2 CPU cores takes ~40 s
 def test_chunk_kernels_compile_to_the_eager_numbers():
     """What CUDA runs (`_chunk_stats` / `_chunk_grad` under torch.compile) is checked against the eager functions
     where it can be compiled here (inductor's CPU backend); the GPU run is tests/gpu's."""
