@@ -236,7 +236,7 @@ def anthropic_stream(base_url: str, api_key: str, prompt: dict) -> float:
 def _blackbox(base_url: str, api_key: str, prompt: dict, api: str) -> float:
     """A separate process that knows nothing of sluiceway, configured only through its environment (as coding
     agents are run); its last line of output is its answer."""
-    from sluiceway.tasks.rollout.agent_proxy import agent_env
+    from sluiceway.tasks.rollout.agent.proxy import agent_env
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "ANTHROPIC_"))}
     env.update(agent_env(base_url, api_key))

@@ -34,7 +34,7 @@ class TokenBuffer:
     finish_reason: str = "stop"
     turns: int = 0
     latency_s: float = 0.0
-    # What an agent session (tasks/rollout/agent_session.py) adds to its row: None leaves the row's default.
+    # What an agent session (tasks/rollout/agent/session.py) adds to its row: None leaves the row's default.
     prompt_text: str | None = None  # the prompt it rendered
     reward: float | None = None  # the agent's reward
     abort_reason: str | None = None  # why it was stored as aborted

@@ -18,7 +18,7 @@ from sluiceway.storage.datasets import import_prompts, import_records, load_prom
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.tasks.environments import generate_env
 from sluiceway.tasks.environments.adaptive_source import AdaptivePromptSource
-from sluiceway.tasks.rollout.agent_proxy import AgentGenerate, load_agent_function
+from sluiceway.tasks.rollout.agent.proxy import AgentGenerate, load_agent_function
 from sluiceway.tasks.rollout.multiturn import load_custom_generate
 from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings
 

@@ -23,7 +23,7 @@ from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.storage.metrics import read_metrics
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.trajectories import ABORTED, is_trainable, read_trajectories
-from sluiceway.tasks.rollout.agent_proxy import AgentGenerate, load_agent_function
+from sluiceway.tasks.rollout.agent.proxy import AgentGenerate, load_agent_function
 from sluiceway.tasks.rollout.client import EngineClient
 from sluiceway.tasks.rollout.dispatch import PoolDispatcher
 from sluiceway.tasks.rollout.pool_target import own_engines

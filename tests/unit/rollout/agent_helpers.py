@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from sluiceway.tasks.rollout.agent_proxy import AgentGenerate, load_agent_function
+from sluiceway.tasks.rollout.agent.proxy import AgentGenerate, load_agent_function
 from sluiceway.tasks.rollout.client import GenerateResult
 from sluiceway.tasks.rollout.multiturn import GenerateContext
 from sluiceway.tasks.rollout.rollout import PromptItem

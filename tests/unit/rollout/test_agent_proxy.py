@@ -1,4 +1,4 @@
-"""The agent endpoint's session assembly (tasks/rollout/agent_proxy.py) with a scripted fake engine: the token
+"""The agent endpoint's session assembly (tasks/rollout/agent/proxy.py) with a scripted fake engine: the token
 list is the rendered first prompt, then the engine's ids verbatim (mask 1, the engine's log-probs) and the
 encoded new messages (mask 0), never re-tokenized; tool calls parsed; the session protocol over HTTP with the
 real `openai` client; an abandoned session is aborted. Through a real run: tests/integration/test_agent_openai.py.
@@ -11,14 +11,10 @@ import pytest
 
 from sluiceway.infra.errors import UserError
 from sluiceway.models.chat import encode_prompt
-from sluiceway.tasks.rollout.agent_proxy import (
-    AgentGenerate,
-    AgentSession,
-    ChatRenderer,
-    SessionError,
-    load_agent_function,
-    parse_tool_calls,
-)
+from sluiceway.tasks.rollout.agent.openai import chat, complete
+from sluiceway.tasks.rollout.agent.proxy import AgentGenerate, load_agent_function
+from sluiceway.tasks.rollout.agent.render import ChatRenderer, SessionError, parse_tool_calls
+from sluiceway.tasks.rollout.agent.session import AgentSession
 from sluiceway.tasks.rollout.client import GenerateResult
 from sluiceway.tasks.rollout.multiturn import GenerateContext
 from sluiceway.tasks.rollout.rollout import PromptItem
@@ -77,16 +73,16 @@ def test_three_chat_turns_keep_engine_tokens_and_mask_the_rest(tiny):
 
     async def go():
         turns = []
-        r = await s.chat({"messages": msgs, "tools": TOOLS})
+        r = await chat(s, {"messages": msgs, "tools": TOOLS})
         turns.append(r)
         msg = r["choices"][0]["message"]
         assert r["choices"][0]["finish_reason"] == "tool_calls" and msg["tool_calls"][0]["function"]["name"] == "calc"
         msgs.append(msg)
         msgs.append({"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": "4"})
-        r = await s.chat({"messages": msgs, "tools": TOOLS})
+        r = await chat(s, {"messages": msgs, "tools": TOOLS})
         msgs.append(r["choices"][0]["message"])
         msgs.append({"role": "user", "content": "Sure?"})
-        r = await s.chat({"messages": msgs, "tools": TOOLS})
+        r = await chat(s, {"messages": msgs, "tools": TOOLS})
         assert r["choices"][0]["message"]["content"] == "The answer is 4."
         return turns
 
@@ -126,14 +122,14 @@ def test_history_must_only_grow(tiny):
     s = session(tok, ScriptedEngine(tok, ["a", "b"]))
 
     async def go():
-        r = await s.chat({"messages": [{"role": "user", "content": "hi"}]})
+        r = await chat(s, {"messages": [{"role": "user", "content": "hi"}]})
         with pytest.raises(SessionError, match=r"messages\[0\] differs"):
-            await s.chat({"messages": [{"role": "user", "content": "HI"}, r["choices"][0]["message"],
-                                       {"role": "user", "content": "x"}]})  # fmt: skip
+            await chat(s, {"messages": [{"role": "user", "content": "HI"}, r["choices"][0]["message"],
+                                        {"role": "user", "content": "x"}]})  # fmt: skip
         with pytest.raises(SessionError, match="no new message"):
-            await s.chat({"messages": [{"role": "user", "content": "hi"}, r["choices"][0]["message"]]})
+            await chat(s, {"messages": [{"role": "user", "content": "hi"}, r["choices"][0]["message"]]})
         with pytest.raises(SessionError, match="chat session"):
-            await s.complete({"prompt": "x"})
+            await complete(s, {"prompt": "x"})
 
     asyncio.run(go())
 
@@ -143,10 +139,10 @@ def test_budget_spent_ends_the_session_with_length(tiny):
     s = session(tok, ScriptedEngine(tok, ["one two three four five six"]), budget=6)
 
     async def go():
-        r = await s.chat({"messages": [{"role": "user", "content": "hi"}]})
+        r = await chat(s, {"messages": [{"role": "user", "content": "hi"}]})
         assert r["choices"][0]["finish_reason"] == "stop"
         msgs = [{"role": "user", "content": "hi"}, r["choices"][0]["message"], {"role": "user", "content": "more " * 9}]
-        return await s.chat({"messages": msgs})
+        return await chat(s, {"messages": msgs})
 
     r = asyncio.run(go())
     res = s.result()
@@ -159,11 +155,11 @@ def test_completions_extend_text_or_token_ids(tiny):
     s = session(tok, engine)
 
     async def go():
-        r = await s.complete({"prompt": "Count: one two three"})
+        r = await complete(s, {"prompt": "Count: one two three"})
         text = "Count: one two three" + r["choices"][0]["text"]
-        await s.complete({"prompt": text + " and"})
+        await complete(s, {"prompt": text + " and"})
         with pytest.raises(SessionError, match="does not extend"):
-            await s.complete({"prompt": "Count: something else"})
+            await complete(s, {"prompt": "Count: something else"})
 
     asyncio.run(go())
     res = s.result()
@@ -379,7 +375,7 @@ def test_the_endpoint_leaves_the_process_logging_alone(monkeypatch):
     import logging
     import logging.config
 
-    from sluiceway.tasks.rollout.agent_proxy import AgentProxy
+    from sluiceway.tasks.rollout.agent.server import AgentProxy
 
     calls = []
     monkeypatch.setattr(logging.config, "dictConfig", lambda *a, **k: calls.append(a))

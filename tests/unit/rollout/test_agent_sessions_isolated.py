@@ -125,7 +125,7 @@ def agent(base_url, api_key, prompt):
     )
     from agent_helpers import PARAMS, prompt_item
 
-    from sluiceway.tasks.rollout.agent_proxy import AgentGenerate, load_agent_function
+    from sluiceway.tasks.rollout.agent.proxy import AgentGenerate, load_agent_function
     from sluiceway.tasks.rollout.multiturn import GenerateContext
 
     gen = AgentGenerate(load_agent_function(path))  # one module: the agent remembers the first session's key

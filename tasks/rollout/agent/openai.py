@@ -8,9 +8,9 @@ pieces); the last chunk has the `finish_reason`; with `stream_options.include_us
 
 from __future__ import annotations
 
-from sluiceway.tasks.rollout.agent_api import Adapter, Call, int_or_none, pieces, sse, stop_list
-from sluiceway.tasks.rollout.agent_render import SessionError, check_messages, check_tools, new_id
-from sluiceway.tasks.rollout.agent_session import AgentSession, ModelTurn, TurnRequest
+from sluiceway.tasks.rollout.agent.api import Adapter, Call, int_or_none, pieces, sse, stop_list
+from sluiceway.tasks.rollout.agent.render import SessionError, check_messages, check_tools, new_id
+from sluiceway.tasks.rollout.agent.session import AgentSession, ModelTurn, TurnRequest
 
 DONE = "data: [DONE]\n\n"
 
@@ -112,3 +112,18 @@ class Completions(Adapter):
             out.append(sse({"id": call.id, "object": "text_completion", "created": call.created,
                             "model": call.model, "choices": [], "usage": _usage(turn)}))  # fmt: skip
         return out + [DONE]
+
+
+# ------------------------------------------------------------------------------------------ without the server
+async def chat(session: AgentSession, body: dict) -> dict:
+    """A chat completions call on `session` (the adapter's answer), for callers holding no server."""
+    api = ChatCompletions()
+    call = api.parse(session, body)
+    return api.reply(call, await session.turn(call.req))
+
+
+async def complete(session: AgentSession, body: dict) -> dict:
+    """A completions call on `session` (the adapter's answer), for callers holding no server."""
+    api = Completions()
+    call = api.parse(session, body)
+    return api.reply(call, await session.turn(call.req))

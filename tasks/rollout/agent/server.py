@@ -2,9 +2,9 @@
 
 Routes, under a session's prefix `/sessions/SID` or the root (then the key alone names the session):
 
-    POST /v1/chat/completions, /v1/completions    OpenAI (agent_api_openai.py)
-    POST /v1/responses                            OpenAI Responses (agent_api_responses.py)
-    POST /v1/messages                             Anthropic Messages (agent_api_anthropic.py)
+    POST /v1/chat/completions, /v1/completions    OpenAI (openai.py)
+    POST /v1/responses                            OpenAI Responses (responses.py)
+    POST /v1/messages                             Anthropic Messages (anthropic.py)
     GET  /v1/models
     POST /reward, /v1/reward                      {"reward": x}
     POST /abort, /v1/abort                        {"reason": "..."}
@@ -24,12 +24,12 @@ import threading
 import uuid
 from collections.abc import AsyncIterator
 
-from sluiceway.tasks.rollout.agent_api import Adapter, Call
-from sluiceway.tasks.rollout.agent_api_anthropic import Messages
-from sluiceway.tasks.rollout.agent_api_openai import ChatCompletions, Completions
-from sluiceway.tasks.rollout.agent_api_responses import Responses
-from sluiceway.tasks.rollout.agent_render import SessionError
-from sluiceway.tasks.rollout.agent_session import DROPPED, AgentSession, ModelTurn
+from sluiceway.tasks.rollout.agent.anthropic import Messages
+from sluiceway.tasks.rollout.agent.api import Adapter, Call
+from sluiceway.tasks.rollout.agent.openai import ChatCompletions, Completions
+from sluiceway.tasks.rollout.agent.render import SessionError
+from sluiceway.tasks.rollout.agent.responses import Responses
+from sluiceway.tasks.rollout.agent.session import DROPPED, AgentSession, ModelTurn
 from sluiceway.tasks.rollout.client import WeightVersionRefused
 from sluiceway.tasks.rollout.multiturn import GenerateContext
 

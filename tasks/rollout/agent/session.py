@@ -3,8 +3,9 @@
 Token in, token out: the first call's messages are rendered by the chat template and encoded (the prompt); every
 model turn appends the engine's ids verbatim (loss mask 1, the engine's log-probs); a later call must repeat the
 history it was given and add messages after it, and only those new messages are rendered and encoded (loss mask
-0, log-prob 0.0). Earlier turns are never re-tokenized. The adapters (agent_api_*.py) turn their API's requests
-into a `TurnRequest` of neutral messages (agent_render.py) and a `ModelTurn` back into their API's answer.
+0, log-prob 0.0). Earlier turns are never re-tokenized. The adapters (api.py and one module per API shape) turn
+their API's requests into a `TurnRequest` of neutral messages (render.py) and a `ModelTurn` back into their API's
+answer.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sluiceway.models.chat import encode_prompt
-from sluiceway.tasks.rollout.agent_render import ChatRenderer, SessionError, message_key, parse_tool_calls
+from sluiceway.tasks.rollout.agent.render import ChatRenderer, SessionError, message_key, parse_tool_calls
 from sluiceway.tasks.rollout.multiturn import GenerateContext, TokenBuffer
 
 DROPPED = "the agent dropped its connection during a model call"
@@ -72,7 +73,7 @@ class AgentSession:
     text_seen: str = ""  # completions: the prompt and completion text so far
     reward: float | None = None
     aborted: str | None = None  # why the session is stored as aborted
-    refused: Exception | None = None  # WeightVersionRefused by the pool: the group goes elsewhere (agent_proxy.py)
+    refused: Exception | None = None  # WeightVersionRefused by the pool: the group goes elsewhere (proxy.py)
     closed: bool = False
     turns: list[dict] = field(default_factory=list)  # per model turn: rid, input length, ids, log-probs
     last_stop_token: int | None = None  # the stop token id that ended the last turn, when one did
@@ -267,19 +268,3 @@ class AgentSession:
             turns=buf.turns, latency_s=buf.latency_s, prompt_text=self.prompt_text or None,
             reward=None if reason else self.reward, abort_reason=reason,
         )  # fmt: skip
-
-    # -------------------------------------------------------------------------------- compatibility
-    async def chat(self, body: dict) -> dict:
-        """A chat completions call (the OpenAI chat adapter's answer), for callers holding no server."""
-        from sluiceway.tasks.rollout.agent_api_openai import ChatCompletions
-
-        api = ChatCompletions()
-        call = api.parse(self, body)
-        return api.reply(call, await self.turn(call.req))
-
-    async def complete(self, body: dict) -> dict:
-        from sluiceway.tasks.rollout.agent_api_openai import Completions
-
-        api = Completions()
-        call = api.parse(self, body)
-        return api.reply(call, await self.turn(call.req))

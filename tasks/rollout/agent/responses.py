@@ -18,9 +18,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from sluiceway.tasks.rollout.agent_api import Adapter, Call, int_or_none, pieces, sse
-from sluiceway.tasks.rollout.agent_render import SessionError, content_text, function_tool, new_id
-from sluiceway.tasks.rollout.agent_session import AgentSession, ModelTurn, TurnRequest
+from sluiceway.tasks.rollout.agent.api import Adapter, Call, int_or_none, pieces, sse
+from sluiceway.tasks.rollout.agent.render import SessionError, content_text, function_tool, new_id
+from sluiceway.tasks.rollout.agent.session import AgentSession, ModelTurn, TurnRequest
 
 STATE = "responses"  # session.state[STATE]: response id -> its conversation (neutral messages, no instructions)
 ROLES = ("user", "system", "developer", "assistant")

@@ -4,7 +4,7 @@ from a model turn's text, and messages rendered with the tokenizer's chat templa
 The neutral form is the OpenAI chat message: `{"role", "content", "tool_calls"?, "tool_call_id"?, "name"?}` with
 `tool_calls` as `[{"id", "type": "function", "function": {"name", "arguments": json-string}}]`; tools are OpenAI
 chat function tools `{"type": "function", "function": {"name", "description", "parameters"}}`. The adapters
-(tasks/rollout/agent_api_*.py) convert their API's requests into it; the session (agent_session.py) keeps its
+(api.py and one module per API shape) convert their API's requests into it; the session (session.py) keeps its
 history in it. See docs/agents.md.
 """
 

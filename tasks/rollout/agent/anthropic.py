@@ -19,9 +19,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sluiceway.tasks.rollout.agent_api import Adapter, Call, int_or_none, pieces, sse, stop_list
-from sluiceway.tasks.rollout.agent_render import SessionError, content_text, function_tool, new_id
-from sluiceway.tasks.rollout.agent_session import AgentSession, ModelTurn, TurnRequest
+from sluiceway.tasks.rollout.agent.api import Adapter, Call, int_or_none, pieces, sse, stop_list
+from sluiceway.tasks.rollout.agent.render import SessionError, content_text, function_tool, new_id
+from sluiceway.tasks.rollout.agent.session import AgentSession, ModelTurn, TurnRequest
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",

@@ -1,10 +1,10 @@
-"""What an API shape is to the agent endpoint: one `Adapter` (tasks/rollout/agent_api_*.py).
+"""What an API shape is to the agent endpoint: one `Adapter` (openai.py, responses.py, anthropic.py).
 
 An adapter converts its API's request into a `TurnRequest` of neutral messages (`parse`), and the session's
 `ModelTurn` back into its API's answer: one JSON body (`reply`), or server-sent events (`stream_head` before the
 engine answers, `stream_turn` after, `stream_error` when the turn fails, `keepalive` while it runs). The server
-(agent_server.py) does the rest: the route, the key, the body, the session's lock, the stream. Adding an API
-shape is adding an adapter to `ADAPTERS` in agent_server.py.
+(server.py) does the rest: the route, the key, the body, the session's lock, the stream. Adding an API
+shape is adding an adapter to `ADAPTERS` in server.py.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluiceway.tasks.rollout.agent_render import SessionError
-from sluiceway.tasks.rollout.agent_session import AgentSession, ModelTurn, TurnRequest
+from sluiceway.tasks.rollout.agent.render import SessionError
+from sluiceway.tasks.rollout.agent.session import AgentSession, ModelTurn, TurnRequest
 
 DELTA_CHARS = 24  # a streamed text is sent in pieces of this many characters
 
