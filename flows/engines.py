@@ -16,7 +16,7 @@ from pathlib import Path
 from sluiceway.flows.config import RunConfig
 from sluiceway.flows.preflight import engine_max_total_len
 from sluiceway.infra.aio import BackgroundLoop
-from sluiceway.infra.engine_fleet import EngineFleet, FleetSettings, start_scoring_engine
+from sluiceway.infra.engine_fleet import EngineFleet, FleetSettings
 from sluiceway.models.lora import is_adapter_dir, lora_server_args
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.weights.pool_registry import PoolRegistry
@@ -165,44 +165,3 @@ def fleet_settings(cfg: RunConfig) -> FleetSettings:
         bf16=bool(cfg.training.bf16),
         seed=cfg.training.seed,
     )
-
-
-class TeacherEngine:
-    """On-policy distillation's teacher (opd_type sglang): a client to opd_teacher_url, or an embedded engine the
-    run starts on opd_teacher_load (loopback, no router: it only scores) and stops with the run.
-
-    Its engine starts loading at construction; `wait_ready(loop)` waits for it and makes the client on `loop`,
-    the student engines' loop, so the scoring stage runs there as rollout does."""
-
-    def __init__(self, cfg: RunConfig, run_dir: Path):
-        opd = cfg.algorithm.opd
-        self.group, self.loop, self.client = None, None, None
-        self.url = opd.teacher_url
-        if self.url is None:
-            from sluiceway.models.zoo import resolve_checkpoint
-
-            model = str(resolve_checkpoint(opd.teacher_load))
-            logs = run_dir / "logs" / "teacher"
-            self.group = start_scoring_engine(fleet_settings(cfg), model, logs, engine_max_total_len(cfg))
-
-    def wait_ready(self, loop: BackgroundLoop) -> TeacherEngine:
-        if self.client is not None:
-            return self
-        self.loop = loop
-        if self.group is not None:
-            self.group.wait_ready()
-            self.url = self.group.urls[0]
-        self.client = self.loop.run(self._make_client(self.url))
-        log.info("on-policy distillation teacher: %s", self.url)
-        return self
-
-    async def _make_client(self, url: str) -> EngineClient:
-        return EngineClient(url, [url])
-
-    def close(self) -> None:
-        try:
-            if self.client is not None:
-                self.loop.run(self.client.aclose())
-        finally:
-            if self.group is not None:
-                self.group.close()

@@ -21,6 +21,7 @@ from sluiceway.flows.artifacts import RunArtifacts
 from sluiceway.flows.config import RunConfig
 from sluiceway.flows.live_run import open_run
 from sluiceway.flows.logging_backends import MetricLoggers
+from sluiceway.flows.opd import has_teacher_engine, teacher_metrics
 from sluiceway.flows.precision import resolve_precision
 from sluiceway.flows.retry import call_retrying, retry_delays, retry_transient
 from sluiceway.flows.scaffold import checkpoint_due
@@ -35,7 +36,6 @@ from sluiceway.tasks.filter.filters import build_filters
 from sluiceway.tasks.reward.score import rescore_non_finite, score_step
 from sluiceway.tasks.rollout.prompts import adaptive_step_prompts, eval_rollout_settings
 from sluiceway.tasks.rollout.rollout import plan_step, prompt_indices_for_step, run_rollout
-from sluiceway.tasks.rollout.teacher import score_step_with_teacher
 from sluiceway.tasks.train.batch import build_train_samples, max_staleness, rollout_metrics
 
 # The model state lives in the process, so Prefect must not cache these tasks; idempotency comes from
@@ -146,7 +146,7 @@ def teacher_task(run_id: str, step: int) -> dict:
     a resumed step finds the stage in the ledger (and the log-probs in the table) and asks nothing."""
     rt = runtime.get(run_id)
     rt.console.update(f"teacher step {step + 1}", 0, 1)
-    return dataclasses.asdict(rt.engines.run(score_step_with_teacher(rt.teacher.client, rt.store, run_id, step)))
+    return dataclasses.asdict(rt.teacher.score_step(rt.store, run_id, step))
 
 
 @task(name="filter", cache_policy=NO_CACHE, persist_result=False)
@@ -267,8 +267,7 @@ class _Stages:
         self.checkpoint = checkpoint_task.with_options(**retry)
         self.upkeep = upkeep_task.with_options(**retry)
         self.filter = filter_task
-        opd = cfg.algorithm.opd
-        self.teacher = teacher_task.with_options(**retry) if opd is not None and opd.engine else None
+        self.teacher = teacher_task.with_options(**retry) if has_teacher_engine(cfg) else None
         self.train = train_task  # a failed optimizer step is not retried: it may have half-applied
         mode = cfg.rollout.mode
         self.ahead = {"sync": 0, "one-step-off": 1}.get(mode, cfg.rollout.max_staleness or 2)
@@ -355,9 +354,8 @@ def rl_flow(config: RunConfig) -> dict:
                         **rew.get("levels", {}),
                     }
                 )
-                if tea is not None:  # requests this process sent (0 for a step whose scores were already stored)
-                    m["opd/teacher_requests"] = 0.0 if tea.get("resumed") else float(tea["requests"])
-                    m["opd/teacher_stored"] = float(tea["stored"])
+                if tea is not None:
+                    m.update(teacher_metrics(tea))
                 d = cfg.durability
                 call_retrying(append_metrics, rt.store, cfg.run_id, step, m, "train", delays=retry_delays(d),
                               what=f"storing step {step + 1}'s metrics")  # fmt: skip

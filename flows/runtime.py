@@ -14,8 +14,9 @@ from pathlib import Path
 
 from sluiceway.flows.config import RunConfig
 from sluiceway.flows.console import ProgressLine
-from sluiceway.flows.engines import RolloutEngines, TeacherEngine
+from sluiceway.flows.engines import RolloutEngines
 from sluiceway.flows.live_run import LiveRun, live
+from sluiceway.flows.opd import TeacherEngine, has_teacher_engine
 from sluiceway.flows.scaffold import build_run_trainer, check_device, close_trainer, make_run_dir, open_store
 from sluiceway.infra.errors import UserError
 from sluiceway.infra.sglang_launcher import require_sglang
@@ -123,10 +124,9 @@ class Runtime:
         early = live_run.take_early_engines()
         if early is None and embedded:
             early = RolloutEngines(cfg, prep.hf_dir, run_dir, wait=False)
-        opd = cfg.algorithm.opd
         teacher = None
         try:
-            if opd is not None and opd.engine:  # its engine (if the run starts one) loads beside the others
+            if has_teacher_engine(cfg):  # OPD's teacher engine (if the run starts one) loads beside the others
                 teacher = TeacherEngine(cfg, run_dir)
             trainer = build_run_trainer(cfg, prep.hf_dir, prep.tokenizer, run_dir, total_iters)
         except BaseException:
