@@ -94,6 +94,10 @@ class _EvalRun:
     def decode(self, ids: list[int]) -> str:
         return self.prep.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def close(self) -> None:
+        self.prep.settings.close()
+        self.engines.close()
+
 
 @task(name="evaluate", cache_policy=NO_CACHE, persist_result=False)
 def eval_set_task(run_id: str, name: str) -> dict:
@@ -135,7 +139,7 @@ def eval_flow(config: EvalRunConfig) -> dict:
         t0 = time.perf_counter()
         engines = RolloutEngines(cfg, prep.hf_dir, run_dir, weight_version=prep.version)
         metrics: dict[str, float] = {}
-        with live_run.serving(_EvalRun(cfg, prep, engines), lambda run: run.engines.close()):
+        with live_run.serving(_EvalRun(cfg, prep, engines), _EvalRun.close):
             for name in prep.eval_prompts:
                 m = eval_set_task(cfg.run_id, name)
                 metrics |= m

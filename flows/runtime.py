@@ -152,6 +152,7 @@ class Runtime:
             if self.teacher is not None:
                 self.teacher.close()
         finally:
+            self.prep.settings.close()
             self.engines.close()
             close_trainer(self.trainer)
 

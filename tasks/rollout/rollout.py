@@ -122,6 +122,12 @@ class RolloutSettings:
     tokenizer: object = None  # for custom generate functions
     max_prompt_len: int | None = None  # what a custom generate function may start from (--rollout-max-prompt-len)
 
+    def close(self) -> None:
+        """When the run ends: what the custom generate function holds (an agent function's endpoint)."""
+        close = getattr(self.custom_generate, "close", None)
+        if close is not None:
+            close()
+
 
 @dataclass
 class RolloutResult:

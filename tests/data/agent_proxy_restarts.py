@@ -13,7 +13,7 @@ from prefect import flow, get_run_logger
 
 from sluiceway.infra.prefect_env import configure_prefect
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
-from sluiceway.tasks.rollout.agent.proxy import AgentGenerate, proxy
+from sluiceway.tasks.rollout.agent.proxy import AgentGenerate
 from sluiceway.tasks.rollout.client import GenerateResult
 from sluiceway.tasks.rollout.multiturn import GenerateContext
 from sluiceway.tasks.rollout.rollout import PromptItem
@@ -77,9 +77,10 @@ def restarts(rounds: int) -> int:
             fn = agents_sdk_agent if k % 2 else openai_agent
             ctx = GenerateContext(engine, tok, f"run/0/{k}/0", 32, routing_key=f"run/0/{k}")
             item = PromptItem(f"p{k}", "What is 2+2?", tok.encode("What is 2+2?"), "4", {}, "What is 2+2?")
-            res = asyncio.run(AgentGenerate(fn)(ctx, item, {"max_new_tokens": 32, "stop_token_ids": []}))
+            gen = AgentGenerate(fn)
+            res = asyncio.run(gen(ctx, item, {"max_new_tokens": 32, "stop_token_ids": []}))
             assert res.abort_reason is None and res.reward == 1.0, (fn.__name__, res.abort_reason)
-            proxy().stop()
+            gen.close()  # the endpoint stops, and the next round's starts
             log.info("round %d done", k)
             done += 1
     finally:

@@ -47,19 +47,6 @@ def agent_env(base_url: str, api_key: str) -> dict[str, str]:
     }
 
 
-# The process's one endpoint (its server thread, event loop and port), started on first use and shared by every
-# rollout in the process; `proxy().stop()` ends it and the next use starts it again.
-_PROXY: AgentProxy | None = None
-
-
-def proxy() -> AgentProxy:
-    global _PROXY
-    if _PROXY is None:
-        _PROXY = AgentProxy()
-    _PROXY.start()
-    return _PROXY
-
-
 # ------------------------------------------------------------------------------------------ the sample
 def prompt_row(prompt) -> dict:
     return {
@@ -70,16 +57,34 @@ def prompt_row(prompt) -> dict:
     }
 
 
-_AGENT_THREADS = cf.ThreadPoolExecutor(max_workers=64, thread_name_prefix="sluiceway-agent")
-
-
 class AgentGenerate:
-    """A custom generate function (tasks/rollout/multiturn.py) that runs the user's agent for the sample."""
+    """A custom generate function (tasks/rollout/multiturn.py) that runs the user's agent for the sample.
 
-    def __init__(self, fn: Callable, tokenizer=None):
+    It owns the run's endpoint (its server thread, event loop and port: started at the first sample, stopped by
+    `close`, which the run calls when it ends; a stopped one starts again at the next sample), unless it is given
+    one to share, and the threads a sync agent function runs on."""
+
+    def __init__(self, fn: Callable, tokenizer=None, endpoint: AgentProxy | None = None):
         self.fn = fn
         self.tokenizer = tokenizer
         self._renderer: ChatRenderer | None = None
+        self._owns_endpoint = endpoint is None
+        self.endpoint = AgentProxy() if endpoint is None else endpoint
+        self._threads: cf.ThreadPoolExecutor | None = None
+
+    def threads(self) -> cf.ThreadPoolExecutor:
+        if self._threads is None:
+            self._threads = cf.ThreadPoolExecutor(max_workers=64, thread_name_prefix="sluiceway-agent")
+        return self._threads
+
+    def close(self) -> None:
+        """Stop the endpoint (one it owns); agent functions still running finish on their threads, which are not
+        waited for."""
+        if self._owns_endpoint:
+            self.endpoint.stop()
+        if self._threads is not None:
+            self._threads.shutdown(wait=False)
+            self._threads = None
 
     def renderer(self, tokenizer) -> ChatRenderer | None:
         if self._renderer is None and getattr(tokenizer, "chat_template", None):
@@ -87,7 +92,8 @@ class AgentGenerate:
         return self._renderer
 
     async def __call__(self, ctx: GenerateContext, prompt, params: dict) -> TokenBuffer:
-        p = proxy()
+        p = self.endpoint
+        p.start()
         s = p.open(ctx, params, ctx.tokenizer, self.renderer(ctx.tokenizer), list(prompt.token_ids))
         try:
             if inspect.iscoroutinefunction(self.fn):
@@ -95,7 +101,7 @@ class AgentGenerate:
                 out = await asyncio.wrap_future(fut)
             else:
                 loop = asyncio.get_running_loop()
-                out = await loop.run_in_executor(_AGENT_THREADS, self.fn, p.base_url(s.sid), s.key, prompt_row(prompt))
+                out = await loop.run_in_executor(self.threads(), self.fn, p.base_url(s.sid), s.key, prompt_row(prompt))
             if isinstance(out, int | float) and not isinstance(out, bool) and s.reward is None and not s.aborted:
                 if not math.isfinite(out):  # never a table's reward: the sample fails with its reason
                     s.aborted = f"the agent function returned a non-finite reward {out!r}"

@@ -57,10 +57,16 @@ def prompt_item(pid: str = "p0", prompt: str = "What is 2+2?", tok=None) -> Prom
     return PromptItem(pid, prompt, tok.encode(prompt) if tok is not None else [1], "4", {"env": "x"}, prompt)
 
 
-async def run_agent_async(tok, path, engine, rid="run/0/0/0", prompt="What is 2+2?", max_prompt_len=None, budget=200):
-    gen = AgentGenerate(load_agent_function(path))
+async def run_agent_async(
+    tok, path, engine, rid="run/0/0/0", prompt="What is 2+2?", max_prompt_len=None, budget=200, endpoint=None
+):
+    """`endpoint`: an AgentProxy to share with other agents' sessions (else the agent's own, stopped after)."""
+    gen = AgentGenerate(load_agent_function(path), endpoint=endpoint)
     ctx = GenerateContext(engine, tok, rid, budget, routing_key=rid.rsplit("/", 1)[0], max_prompt_len=max_prompt_len)
-    return await gen(ctx, prompt_item(rid, prompt, tok), dict(PARAMS, max_new_tokens=budget))
+    try:
+        return await gen(ctx, prompt_item(rid, prompt, tok), dict(PARAMS, max_new_tokens=budget))
+    finally:
+        gen.close()
 
 
 def run_agent(tok, path, engine, **kw):

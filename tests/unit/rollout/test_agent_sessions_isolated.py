@@ -76,12 +76,20 @@ def test_a_session_key_opens_no_other_session(tiny, tmp_path, monkeypatch):
     attacker = agent_module(tmp_path, ATTACKER, "attacker")
     eb, ea = ScriptedEngine(tok, ["b's answer"]), ScriptedEngine(tok, ["a's answer"])
 
+    from sluiceway.tasks.rollout.agent.server import AgentProxy
+
+    endpoint = AgentProxy()  # one endpoint, as a run's samples share one: the attacker's session beside the victim's
+
     async def both():
         return await asyncio.gather(
-            run_agent_async(tok, victim, eb, rid="run/0/0/0"), run_agent_async(tok, attacker, ea, rid="run/0/1/0")
+            run_agent_async(tok, victim, eb, rid="run/0/0/0", endpoint=endpoint),
+            run_agent_async(tok, attacker, ea, rid="run/0/1/0", endpoint=endpoint),
         )
 
-    res_b, res_a = asyncio.run(both())
+    try:
+        res_b, res_a = asyncio.run(both())
+    finally:
+        endpoint.stop()
     import shared_state
 
     got = shared_state.results
