@@ -318,6 +318,7 @@ class _Stopper:
             os.close(fd)
 
 
+# The process's one signal handling (signals are delivered to a process, not to a run): set by `exit_on_signals`.
 _stopper: list[_Stopper] = []
 
 

@@ -24,6 +24,8 @@ from sluiceway.storage.object_store import ObjectStore
 # Enough for every table of a few stores at once (tests open many short-lived stores; the oldest go first).
 MAX_HANDLES = 64
 
+# A cache, per process on purpose: every ObjectStore made for the same table (a run's stages each make their own)
+# shares one open handle, so that one replays the log and the others read the same state.
 _lock = threading.Lock()
 _handles: OrderedDict[tuple[str, tuple[tuple[str, str], ...]], Handle] = OrderedDict()
 

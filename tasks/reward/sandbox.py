@@ -199,6 +199,7 @@ __file__ = "main.py"
 exec(compile(open("main.py", "rb").read(), "main.py", "exec"), {"__name__": "__main__", "__file__": "main.py"})
 """
 
+# Whether this machine lets the sandbox make namespaces, probed once per process: a fact of the machine, not of a run.
 _NS_PROBE: tuple[bool, str] | None = None
 _NS_LOCK = threading.Lock()
 _UNSHARE_ARGS = ["--net", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc"]
