@@ -125,7 +125,7 @@ def pool_min_version(cfg: RunConfig, step: int, engines_version: int) -> int:
     """
     if cfg.rollout.mode != "fully-async":
         return engines_version
-    return min(engines_version, step - (cfg.rollout.max_staleness or 2))
+    return min(engines_version, step - cfg.rollout.steps_ahead)
 
 
 @task(name="reward", cache_policy=NO_CACHE, persist_result=False)
@@ -269,8 +269,7 @@ class _Stages:
         self.filter = filter_task
         self.teacher = teacher_task.with_options(**retry) if has_teacher_engine(cfg) else None
         self.train = train_task  # a failed optimizer step is not retried: it may have half-applied
-        mode = cfg.rollout.mode
-        self.ahead = {"sync": 0, "one-step-off": 1}.get(mode, cfg.rollout.max_staleness or 2)
+        self.ahead = cfg.rollout.steps_ahead
         self.pending: dict[int, tuple] = {}
         self.last = None  # the newest generation chain's final future
 

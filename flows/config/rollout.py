@@ -144,6 +144,14 @@ class RolloutConfig(Group):
         return out
 
     @property
+    def steps_ahead(self) -> int:
+        """How many steps generation may run ahead of training: 0 (sync), 1 (one-step-off), or max_staleness
+        (fully-async; 2 when unset). The staleness filter reads max_staleness itself: unset, it drops nothing."""
+        if self.mode == "fully-async":
+            return 2 if self.max_staleness is None else self.max_staleness
+        return {"sync": 0, "one-step-off": 1}[self.mode]
+
+    @property
     def pool_registries(self) -> list[str]:
         """rollout_pools' registries: `auto` (the run's weight store) or weight store URIs, as written."""
         return [spec for spec in self.rollout_pools or [] if "=" not in spec and _is_registry(spec)]
