@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import statistics
@@ -160,8 +159,6 @@ def main() -> None:
     for name in args.shape or list(SHAPES):
         r = run_shape(name, args.steps, args.profile, args.recompute_layers, args.peak_tflops)
         variant = f" recompute {args.recompute_layers} layers" if args.recompute_layers else ""
-        if os.environ.get("SLUICEWAY_COMPILE_LAYERS") == "1":  # models/megatron_gpt.py's experimental switch
-            variant += " compiled layers"
         line = (f"{name} bf16 mb {r['micro_batch']}{variant}: {r['ms_per_step']:.0f} ms/step, "
                 f"{r['tokens_per_s']:,.0f} tokens/s, {r['model_tflops']:.0f} TFLOP/s = {100 * r['peak_share']:.1f}% "
                 f"of bf16 peak, peak {r['peak_gib']:.1f} GiB (steps {r['steps_ms']} ms)")  # fmt: skip

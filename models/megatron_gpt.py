@@ -370,11 +370,6 @@ def build_gpt_model(
     for module in model.modules():
         if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
             module.to(dtype)
-    if device.type == "cuda" and os.environ.get("SLUICEWAY_COMPILE_LAYERS") == "1" and compiled_on(device):
-        # Experimental, off by default: each transformer layer through torch.compile (fewer, fused kernels and
-        # launches; megatron's layer code still breaks the graph a few times). docs/benchmarks.md has its A/B.
-        for layer in model.decoder.layers:
-            layer.forward = torch.compile(layer.forward)
     return model.to(device)
 
 

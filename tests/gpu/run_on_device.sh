@@ -5,8 +5,10 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
 #       --platform manylinux_2_17_x86_64 --platform any -d .whl megatron-core==0.16.1 pydantic pydantic-core \
 #       annotated-types typing-inspection zstandard
-# (pydantic-core at the version your pydantic asks for). On a machine with the project installed, plain
-# `pytest tests/gpu` does the same.
+# (pydantic-core at the version your pydantic asks for). .whl/ is git-ignored. No other wheel: the GPU paths'
+# torch.compile (models/fused_logprobs.py, megatron's SwiGLU) uses the Triton that CUDA builds of torch ship with,
+# and runs eagerly where compiling fails. On a machine with the project installed, plain `pytest tests/gpu` does
+# the same.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 SITE=${SITE:-/tmp/sluiceway-site}
