@@ -260,6 +260,9 @@ class PoolDispatcher:
             await asyncio.wait({remote}, timeout=min(wait_s, 1.0))  # at least once a second: is the pool alive?
             if remote.done():
                 return remote.result(), target
+            # Read the pools again here too (at most every refresh_s, as acquire does): when no group waits for a
+            # pool, nothing else would see this one fall silent or leave.
+            await self._refresh()
             if target.silent or target.gone:  # a partitioned pool's requests would wait for the read timeout
                 remote.cancel()
                 await asyncio.gather(remote, return_exceptions=True)

@@ -198,3 +198,33 @@ def test_a_group_on_a_pool_that_falls_silent_is_generated_elsewhere():
         assert (out, where.name, calls) == ("ok", LOCAL, ["far", LOCAL]) and far.in_flight == 0
 
     asyncio.run(scenario())
+
+
+def test_a_pool_that_falls_silent_is_seen_while_no_group_waits(registry):
+    # The only group runs on "far" and none waits for a pool: the group's own watch reads the registry.
+    async def scenario():
+        clock = Clock()
+        d = directory(registry, clock, Clock(5000.0))
+        registry.write(record("far", serving=5))
+        local = PoolTarget(LOCAL, client=None, capacity=4, local=True)
+        local.in_flight = 4  # busy at first: the group goes to "far"
+        disp = PoolDispatcher([local], min_version=5, refresh_s=0.0, wait_s=0.01, directory=d)
+        calls = []
+
+        async def generate(target):
+            calls.append(target.name)
+            if target.name == "far":
+                await asyncio.sleep(3600)  # partitioned: no answer, no error
+            return "ok"
+
+        async def partition():
+            await asyncio.sleep(0.1)
+            clock.t += 3.5  # far's beat has not moved for 3.5 of its heartbeats
+            await disp.release(local, 4)
+
+        asyncio.ensure_future(partition())
+        out, where = await asyncio.wait_for(disp.run(4, generate), 10.0)
+        assert (out, where.name, calls) == ("ok", LOCAL, ["far", LOCAL]) and d.targets["far"].silent
+        await d.aclose()
+
+    asyncio.run(scenario())
