@@ -8,6 +8,7 @@
                                             models/engine/, runs the models; infra/ only starts it as a process)
     flows/config/ imports nothing of the project but the error type (infra/errors.py) and plugin loading
     (infra/plugins.py); infra's leaf modules (errors, proc, cache) import nothing of the project.
+    infra/ imports nothing of flows/, not even the config (it takes plain values: infra/engine_fleet.py).
 
 No two project modules import each other round a circle. A trainer imports training: neither the trainer nor a
 rank's entry point can reach Delta Lake, Prefect, FastAPI or s3fs (so a rank runs where only training's
@@ -89,6 +90,13 @@ def test_config_imports_nothing_of_the_project_but_the_error_type_and_plugin_loa
 def test_infra_never_imports_models():
     bad = {f"{p.relative_to(ROOT)} imports {m}" for p in modules("infra") for m in project_imports(p)
            if m.startswith("sluiceway.models")}  # fmt: skip
+    assert not bad, sorted(bad)
+
+
+def test_infra_never_imports_the_flows():
+    # Not even the config: what a process needs of it comes as plain values (infra/engine_fleet.py: FleetSettings).
+    bad = {f"{p.relative_to(ROOT)} imports {m}" for p in modules("infra") for m in project_imports(p)
+           if m.startswith("sluiceway.flows")}  # fmt: skip
     assert not bad, sorted(bad)
 
 
