@@ -82,7 +82,6 @@ TRAJECTORY_SCHEMA = pa.schema(
 ADDED_COLUMNS = ("teacher_logprobs",)
 
 
-
 class TrajectoryRow(TypedDict):
     """One sample as every stage sees it, from the rollout that builds it to the batch that trains on it; the
     table's own field names and types (TRAJECTORY_SCHEMA, which a test keeps in step with this)."""
@@ -117,6 +116,32 @@ class TrajectoryRow(TypedDict):
 def is_finished(row: TrajectoryRow) -> bool:
     """Generation ended (completed, truncated or failed): the sample can be scored; an aborted one waits."""
     return row["status"] != ABORTED
+
+
+# The largest magnitude a reward may have: the advantages and the loss are computed in float32, where a larger
+# finite reward (1e308, say) becomes inf and every loss of the step NaN.
+MAX_REWARD = 3.4028234663852886e38  # float32's largest finite value
+
+
+def reward_problem(reward: float) -> str | None:
+    """Why training cannot hold `reward` ("non-finite reward nan", "reward 1e+308 beyond float32's range ..."), or
+    None: checked where a reward comes in and on what is stored."""
+    try:
+        value = float(reward)
+    except OverflowError:  # an int of hundreds of digits
+        value = None
+    if value is not None and not math.isfinite(value):
+        return f"non-finite reward {reward!r}"
+    if value is not None and abs(value) <= MAX_REWARD:
+        return None
+    text = repr(reward)
+    shown = text if len(text) <= 40 else f"{text[:12]}... ({len(text)} digits)"
+    return f"reward {shown} beyond float32's range (training computes in float32)"
+
+
+def trainable_reward(reward: float) -> bool:
+    """A reward training can hold (`reward_problem` says why not)."""
+    return reward_problem(reward) is None
 
 
 def is_trainable(row: TrajectoryRow) -> bool:
@@ -218,8 +243,12 @@ def update_samples(
     with WRITE_LOCK:
         _evolve(store)
         current = read_trajectories(store, run_id, step)
-        where = {k: n for n, k in enumerate(zip(current.column("group_id").to_pylist(),
-                                                current.column("sample_index").to_pylist(), strict=True))}
+        where = {
+            k: n
+            for n, k in enumerate(
+                zip(current.column("group_id").to_pylist(), current.column("sample_index").to_pylist(), strict=True)
+            )
+        }
         missing = [k for k in keys if k not in where]
         if missing:
             raise ValueError(
@@ -256,11 +285,12 @@ def set_rewards(
 ) -> int:
     """Set ``reward`` and ``reward_details`` for ``(group_id, sample_index, reward, details)`` of one step.
 
-    A reward must be a finite number or None: the reward stage makes a NaN or inf one the sample's failure
-    (tasks/reward/score.py), and this refuses any that gets past it, naming the sample."""
+    A reward must be a number training can hold (`trainable_reward`) or None: the reward stage makes any other the
+    sample's failure (tasks/reward/score.py), and this refuses any that gets past it, naming the sample."""
     for g, i, r, _ in rewards:
-        if r is not None and not math.isfinite(r):
-            raise ValueError(f"set_rewards: non-finite reward {r!r} for {run_id} step {step} (group {g}, sample {i})")
+        problem = None if r is None else reward_problem(r)
+        if problem is not None:
+            raise ValueError(f"set_rewards: {problem} for {run_id} step {step} (group {g}, sample {i})")
     columns = {
         "reward": pa.array([None if r is None else float(r) for _, _, r, _ in rewards], pa.float64()),
         "reward_details": pa.array([_json_text(d, "reward_details") for _, _, _, d in rewards], pa.string()),
@@ -334,12 +364,13 @@ def validate_trajectories(table: pa.Table) -> None:
             f"expected one of {list(STATUSES)}"
         )
     reward = table.column("reward")
-    bad_reward = pc.fill_null(pc.invert(pc.is_finite(reward)), False)  # null: not scored yet, fine
+    beyond = pc.greater(pc.abs(reward), MAX_REWARD)  # finite, but not in float32 (`reward_problem`)
+    bad_reward = pc.fill_null(pc.or_(pc.invert(pc.is_finite(reward)), beyond), False)  # null: not scored yet, fine
     if pc.any(bad_reward).as_py():
         row = _first(bad_reward)
         raise ValueError(
             f"trajectory row {row}{_key(table, row)}: reward {reward[row].as_py()!r} is not a finite number "
-            f"(a failed score is reward 0 with its reason in reward_details)"
+            f"in float32's range (a failed score is reward 0 with its reason in reward_details)"
         )
     n_resp = pc.list_value_length(table.column("response_token_ids"))
     for name, may_be_empty in (("loss_mask", False), ("rollout_logprobs", True), ("teacher_logprobs", True)):

@@ -19,12 +19,17 @@ import asyncio
 import concurrent.futures as cf
 import inspect
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sluiceway.infra.errors import Fault
-from sluiceway.storage.trajectories import is_finished, read_trajectories, set_rewards
+from sluiceway.storage.trajectories import (
+    is_finished,
+    read_trajectories,
+    reward_problem,
+    set_rewards,
+    trainable_reward,
+)
 from sluiceway.tasks.reward.verifiers.shaping import length_penalty
 
 
@@ -61,11 +66,12 @@ def as_reward(out, reward_key: str | None) -> tuple[float, dict]:
 
 
 def checked_reward(out, reward_key: str | None) -> tuple[float, dict]:
-    """`as_reward`, or the sample's failure when the reward is not a finite number: NaN or inf in a table
-    would be trained on (every loss of the step NaN) and, stored, never scored again."""
+    """`as_reward`, or the sample's failure when the reward is not a number training can hold: NaN, inf, or one
+    finite in float64 but not in float32 (1e308), in a table would be trained on (every loss of the step NaN)."""
     reward, details = as_reward(out, reward_key)
-    if not math.isfinite(reward):
-        return _failed("error", f"the scorer returned a non-finite reward {reward!r}")
+    problem = reward_problem(reward)
+    if problem is not None:
+        return _failed("error", f"the scorer returned a {problem}")
     return reward, details
 
 
@@ -133,7 +139,7 @@ def has_reward(row: dict) -> bool:
     none, so the sample is scored again: re-scoring, rather than marking it failed, gives the real reward once
     the scorer is fixed, and a scorer still returning NaN now makes it that sample's failure (reward 0 with its
     reason). Either way the step can be trained, so a run stopped by such a row resumes (flows/rl.py)."""
-    return row["reward"] is not None and math.isfinite(row["reward"])
+    return row["reward"] is not None and trainable_reward(row["reward"])
 
 
 def _usable(row: dict) -> bool:
@@ -183,7 +189,7 @@ def rescore_non_finite(*, store, run_id: str, step: int, settings: RewardSetting
     """The step's rows, after scoring again any sample whose stored reward is NaN or inf (a build before rewards
     were checked stored them; the reward stage's ledger says the step is scored, so the train stage asks)."""
     rewards = table.column("reward").to_pylist()
-    if all(r is None or math.isfinite(r) for r in rewards):
+    if all(r is None or trainable_reward(r) for r in rewards):
         return table
     score_step(store=store, run_id=run_id, step=step, settings=settings)
     return read_trajectories(store, run_id, step)

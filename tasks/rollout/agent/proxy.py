@@ -24,11 +24,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import inspect
-import math
 from collections.abc import Callable
 
 from sluiceway.infra.errors import UserError
 from sluiceway.infra.plugins import load_function
+from sluiceway.storage.trajectories import reward_problem
 from sluiceway.tasks.rollout.agent.render import FLAG, ChatRenderer
 from sluiceway.tasks.rollout.agent.server import AgentProxy
 from sluiceway.tasks.rollout.agent.session import DROPPED
@@ -103,8 +103,9 @@ class AgentGenerate:
                 loop = asyncio.get_running_loop()
                 out = await loop.run_in_executor(self.threads(), self.fn, p.base_url(s.sid), s.key, prompt_row(prompt))
             if isinstance(out, int | float) and not isinstance(out, bool) and s.reward is None and not s.aborted:
-                if not math.isfinite(out):  # never a table's reward: the sample fails with its reason
-                    s.aborted = f"the agent function returned a non-finite reward {out!r}"
+                problem = reward_problem(out)
+                if problem is not None:  # never a table's reward: the sample fails with its reason
+                    s.aborted = f"the agent function returned a {problem}"
                 else:
                     s.reward = float(out)
             if s._lock is not None and s._lock.locked():  # returned with a call unanswered: the agent left it

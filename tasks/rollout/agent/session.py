@@ -11,11 +11,11 @@ answer.
 from __future__ import annotations
 
 import asyncio
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from sluiceway.models.chat import encode_prompt
+from sluiceway.storage.trajectories import reward_problem
 from sluiceway.tasks.rollout.agent.render import ChatRenderer, SessionError, message_key, parse_tool_calls
 from sluiceway.tasks.rollout.multiturn import GenerateContext, TokenBuffer
 
@@ -247,8 +247,11 @@ class AgentSession:
 
     # -------------------------------------------------------------------------------- the row
     def set_reward(self, reward: Any) -> None:
-        if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+        if isinstance(reward, bool) or not isinstance(reward, int | float):
             raise SessionError(f"reward must be a finite number, got {reward!r}")
+        problem = reward_problem(reward)
+        if problem is not None:
+            raise SessionError(f"reward must be a finite number within float32's range, got a {problem}")
         self.check_open()
         self.reward = float(reward)
 

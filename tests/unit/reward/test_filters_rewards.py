@@ -136,6 +136,30 @@ def test_a_non_finite_reward_is_the_samples_failure(out, shown):
     assert group[0] == (1.0, {}) and group[1][1]["reward_status"] == "error"  # its group's other samples count
 
 
+@pytest.mark.parametrize("out", [1e308, -1e39, {"acc": 1e300}])  # an int of 400 digits: OverflowError, its failure
+def test_a_reward_beyond_float32_is_the_samples_failure(out):
+    """Finite in Python but not in float32, where advantages and losses are computed (issue 40: 1e308 became inf
+    and every loss of the step NaN): the sample's failure with its reason, as NaN is."""
+    rows = [{"group_id": 0, "sample_index": i, "response_text": t, "label": "1"} for i, t in enumerate(["ok", "bad"])]
+    scorer = lambda response, label, sample: out if response == "bad" else {"acc": 1.0}  # noqa: E731
+    got = score_rows(rows, RewardSettings(scorer, reward_key="acc"))
+    assert got[0] == (1.0, {})
+    assert got[1][0] == 0.0 and got[1][1]["reward_status"] == "error"
+    assert "beyond float32's range" in got[1][1]["message"] and len(got[1][1]["message"]) < 200
+    assert score_rows(rows[:1], RewardSettings(lambda *a: 3.0e38)) == [(3.0e38, {})]  # within the range: a reward
+
+
+def test_set_rewards_refuses_a_reward_beyond_float32(tmp_path):
+    from sluiceway.storage.trajectories import set_rewards
+
+    store = ObjectStore.from_uri(str(tmp_path / "tables"))
+    append_trajectories(store, [row(0, 0, None)], app_id="f/0")
+    with pytest.raises(
+        ValueError, match=r"reward 1e\+308 beyond float32's range .* for f step 0 \(group 0, sample 0\)"
+    ):
+        set_rewards(store, "f", 0, [(0, 0, 1e308, None)])
+
+
 def test_a_nan_scorer_fails_one_sample_and_the_step_goes_on(tmp_path):
     store = ObjectStore.from_uri(str(tmp_path / "tables"))
     append_trajectories(store, [row(g, i, None) for g in range(2) for i in range(2)], app_id="f/0")
@@ -148,7 +172,8 @@ def test_a_nan_scorer_fails_one_sample_and_the_step_goes_on(tmp_path):
     stored = {(r["group_id"], r["sample_index"]): r for r in read_trajectories(store, "f", 0).to_pylist()}
     assert [stored[k]["reward"] for k in sorted(stored)] == [0.5, 0.5, 0.0, 0.5]
     assert json.loads(stored[(1, 0)]["reward_details"]) == {
-        "reward_status": "error", "message": "the scorer returned a non-finite reward nan"
+        "reward_status": "error",
+        "message": "the scorer returned a non-finite reward nan",
     }
 
 
@@ -162,6 +187,22 @@ def _with_stored_nan(tmp_path):
     table = conform(_rows_to_table(rows), TRAJECTORY_SCHEMA, what="trajectory")  # past the writer's check
     append_idempotent(store, TRAJECTORIES, table, app_id="f/0", partition_by=PARTITION_BY)
     return store
+
+
+def test_a_stored_reward_beyond_float32_is_scored_again(tmp_path):
+    """A resume after a build that stored 1e308 (issue 40): the stored reward counts as unscored, as NaN does."""
+    from sluiceway.storage.tables import append_idempotent, conform
+    from sluiceway.storage.trajectories import PARTITION_BY, TRAJECTORIES, TRAJECTORY_SCHEMA, _rows_to_table
+    from sluiceway.tasks.reward.score import has_reward, rescore_non_finite
+
+    store = ObjectStore.from_uri(str(tmp_path / "tables"))
+    rows = [row(g, i, 1e308 if (g, i) == (1, 0) else 0.5) for g in range(2) for i in range(2)]
+    table = conform(_rows_to_table(rows), TRAJECTORY_SCHEMA, what="trajectory")  # past the writer's check
+    append_idempotent(store, TRAJECTORIES, table, app_id="f/0", partition_by=PARTITION_BY)
+    assert not has_reward(rows[2]) and has_reward(rows[0])
+    table = rescore_non_finite(store=store, run_id="f", step=0, settings=RewardSettings(lambda *a: 0.25),
+                               table=read_trajectories(store, "f", 0))  # fmt: skip
+    assert table["reward"].to_pylist() == [0.5, 0.5, 0.25, 0.5]
 
 
 @pytest.mark.parametrize("fixed", [True, False])

@@ -228,7 +228,7 @@ import httpx, openai
 def agent(base_url, api_key, prompt):
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
-    for bad in ("NaN", "Infinity", "-Infinity"):
+    for bad in ("NaN", "Infinity", "-Infinity", "1e308", "1" + "0" * 400):  # the last two: beyond float32 (issue 40)
         r = httpx.post(base_url.removesuffix("/v1") + "/reward", content='{"reward": %s}' % bad,
                        headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"})
         assert r.status_code == 400 and "finite" in r.json()["error"]["message"], r.text
@@ -239,6 +239,9 @@ def agent(base_url, api_key, prompt):
     returning = _agent_module(tmp_path, "def agent(base_url, api_key, prompt):\n    return float('nan')\n")
     res = _run_agent(tok, returning, ScriptedEngine(tok, ["hello"]))
     assert res.reward is None and res.finish_reason == "abort" and "non-finite reward nan" in res.abort_reason
+    returning = _agent_module(tmp_path, "def agent(base_url, api_key, prompt):\n    return 1e308\n")
+    res = _run_agent(tok, returning, ScriptedEngine(tok, ["hello"]))
+    assert res.reward is None and res.finish_reason == "abort" and "beyond float32's range" in res.abort_reason
 
 
 def test_an_oversized_first_message_is_a_400_before_any_engine_call(tiny, tmp_path):
