@@ -31,7 +31,7 @@ from sluiceway.infra.sglang_launcher import require_sglang
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.storage.metrics import append_metrics
 from sluiceway.storage.object_store import ObjectStore
-from sluiceway.storage.weights.checksums import checksums_problem
+from sluiceway.storage.weights.checksums import checksums_problem, version_problem
 from sluiceway.tasks.evaluate.evaluate import evaluate
 from sluiceway.tasks.reward.score import RewardSettings
 from sluiceway.tasks.reward.settings import build_reward_settings
@@ -70,7 +70,8 @@ def prepare_eval(cfg: RunConfig) -> EvalPrepared:
     store = open_store(cfg)
     rewards = build_reward_settings(cfg)
     hf_dir, version = resolve_model(cfg.training.hf_checkpoint)
-    problem = checksums_problem(hf_dir)  # a run's published weights: checked once, before the engines load them
+    # A run's published weights: checked once, before the engines load them, against the run's record of them.
+    problem = version_problem(hf_dir, version) if _VERSION_DIR.fullmatch(hf_dir.name) else checksums_problem(hf_dir)
     if problem is not None:
         raise Fault(
             f"weights {hf_dir}/{problem}. Nothing was evaluated; restore the directory or evaluate another "

@@ -13,8 +13,11 @@ loaded a newer one since, and engines copy what they load (the embedded engine o
 are on the GPU), so no reader sees its bytes change.
 
 Every version directory records its files' sizes and sha256s in `checksums.json` (storage/weights/checksums.py;
-the model file's digest is taken as it is written, +0.17 s for SmolLM2's 270 MB here). A resume checks the one
-version its engines load before trusting it (`settle_versions`).
+the model file's digest is taken as it is written, +0.17 s for SmolLM2's 270 MB here), and the run keeps the same
+record of every version on disk outside them, in `weights.published.json` beside `weights/` (entered before the
+version's directory is renamed into place), so a checksums.json lost or emptied with its files, or a directory
+copied over another version's, is seen. A resume checks the one version its engines load against it before
+trusting it (`settle_versions`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,13 @@ from pathlib import Path
 import torch
 
 from sluiceway.storage.weights import safetensors_raw
-from sluiceway.storage.weights.checksums import CHECKSUMS, checksums_problem, has_checksums, write_checksums
+from sluiceway.storage.weights.checksums import (
+    CHECKSUMS,
+    has_record,
+    record_published,
+    version_problem,
+    write_checksums,
+)
 from sluiceway.storage.weights.model_dir import config_with_dtype
 
 log = logging.getLogger("sluiceway")
@@ -39,6 +48,19 @@ _VERSION_DIR = re.compile(r"v(\d{6,})")
 
 def version_dir(root: Path, version: int) -> Path:
     return root / f"v{version:06d}"
+
+
+def _versions_on_disk(root: Path) -> list[Path]:
+    return sorted(d for d in Path(root).iterdir() if _VERSION_DIR.fullmatch(d.name) and d.is_dir())
+
+
+def _publish(root: Path, tmp: Path, final: Path, version: int, record: dict, keep: int) -> None:
+    """Enter the version in the run's record, then rename it into place and drop all but the newest `keep`."""
+    on_disk = {int(d.name[1:]) for d in _versions_on_disk(root)}
+    record_published(root, version, record, on_disk=set(sorted(on_disk)[-keep:]))
+    tmp.rename(final)
+    for old in _versions_on_disk(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def write_weight_version(
@@ -58,7 +80,7 @@ def write_weight_version(
     tmp = root / f".tmp-v{version:06d}"
     for stale in root.glob(".tmp-v*"):  # a write a kill interrupted (one writer per run: the run lock)
         shutil.rmtree(stale, ignore_errors=True)
-    versions = sorted(root.glob("v*"))
+    versions = _versions_on_disk(root)
     if keep >= 2 and len(versions) >= keep:
         versions[0].rename(tmp)  # leaves with this write anyway: its model file is overwritten in place below
     else:
@@ -77,10 +99,8 @@ def write_weight_version(
     meta = {"format": "pt", "weight_version": str(version)}
     digest = safetensors_raw.write(tmp / "model.safetensors", raw, meta, reuse=True, checksum=True)
     size = (tmp / "model.safetensors").stat().st_size
-    write_checksums(tmp, version, known={"model.safetensors": {"bytes": size, "sha256": digest}})
-    tmp.rename(final)
-    for old in sorted(root.glob("v*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    record = write_checksums(tmp, version, known={"model.safetensors": {"bytes": size, "sha256": digest}})
+    _publish(root, tmp, final, version, record, keep)
     return final
 
 
@@ -100,10 +120,8 @@ def write_adapter_version(
     tmp = root / f".tmp-v{version:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     write_adapter_dir(adapter, spec, tmp, str(Path(base_model_dir).resolve()), {"weight_version": str(version)})
-    write_checksums(tmp, version)  # an adapter is small (megabytes): hashed from the file
-    tmp.rename(final)
-    for old in sorted(root.glob("v*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    record = write_checksums(tmp, version)  # an adapter is small (megabytes): hashed from the file
+    _publish(root, tmp, final, version, record, keep)
     return final
 
 
@@ -113,14 +131,18 @@ def settle_versions(root: Path, version: int) -> None:
 
     - Versions newer than `version` were written after the checkpoint, by steps the resume trains again: removed,
       so each is written anew when its step syncs (a write finds an existing directory and keeps it).
-    - `version` itself is what the resume's engines load. Checked against its checksums.json; a damaged one (a
-      file missing, truncated, or a flipped byte) is removed with a warning naming the file, and the resume's
-      sync writes it again from the checkpoint's weights. Rebuilt rather than refused: the trainer holds exactly
-      these weights, so the repair costs one write (the same as a sync) and the run ends as an undamaged one would.
+    - `version` itself is what the resume's engines load. Checked against the run's record of what it published
+      as `version` (storage/weights/checksums.py `version_problem`), else its own checksums.json; a damaged one (a
+      file missing, truncated, added or with a flipped byte, a checksums.json missing, emptied or unlike the
+      run's record, another version's directory in its place) is removed with one warning naming what is wrong,
+      and the resume's sync writes it again from the checkpoint's weights. Rebuilt rather than refused: the trainer
+      holds exactly these weights, so the repair costs one write (the same as a sync) and the run ends as an
+      undamaged one would.
     - Older versions are not loaded by anything in a resume (the next write reuses the oldest as scratch).
 
-    A directory without checksums.json (written before they were recorded) is not checked. Cost: one hash of one
-    version (SmolLM2, 270 MB: about 0.2 s here), once per resume; no hashing when engines load a version.
+    A directory neither the run's record nor a checksums.json covers (written by a build before both) is not
+    checked. Cost: one hash of one version (SmolLM2, 270 MB: about 0.2 s here), once per resume; no hashing when
+    engines load a version.
     """
     if not Path(root).is_dir():
         return
@@ -133,10 +155,11 @@ def settle_versions(root: Path, version: int) -> None:
             shutil.rmtree(d)
             log.info("removed %s: written after the checkpoint (v%d); its step is trained again", d, version)
         elif v == version:
-            if not has_checksums(d):
-                log.info("%s has no checksums.json (written by an older build): loaded unchecked", d)
+            if not has_record(d, v):
+                log.info("%s has no checksums.json nor an entry in the run's record (written by an older build): "
+                         "loaded unchecked", d)  # fmt: skip
                 continue
-            problem = checksums_problem(d)
+            problem = version_problem(d, v)
             if problem is not None:
                 log.warning("weights %s/%s; writing v%d again from the checkpoint's weights", d, problem, version)
                 shutil.rmtree(d)

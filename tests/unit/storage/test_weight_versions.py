@@ -15,7 +15,7 @@ from sluiceway.models.engine.llama import LlamaRunner
 from sluiceway.models.zoo import load_hf_model, load_hf_state_dict, resolve_checkpoint
 from sluiceway.storage.digests import file_sha256
 from sluiceway.storage.weights import safetensors_raw
-from sluiceway.storage.weights.checksums import CHECKSUMS, checksums_problem
+from sluiceway.storage.weights.checksums import CHECKSUMS, checksums_problem, published_path, version_problem
 from sluiceway.tasks.sync.disk import settle_versions, version_dir, write_adapter_version, write_weight_version
 
 
@@ -120,13 +120,125 @@ def test_a_resume_rebuilds_a_damaged_version_and_drops_newer_ones(model_dir, tmp
 
 
 def test_a_version_without_checksums_loads_unchecked(model_dir, tmp_path):
-    """Written by a build before checksums: trusted as it was."""
+    """Written by a build before checksums (and before the run's record of its versions): trusted as it was."""
     path = write_weight_version(load_hf_state_dict(model_dir), model_dir, tmp_path, 4)
     (path / CHECKSUMS).unlink()
+    published_path(tmp_path).unlink()
     _flip_byte(path / "model.safetensors")
     assert checksums_problem(path) is None
     settle_versions(tmp_path, 4)
     assert path.is_dir()
+
+
+def _resume_at_v2(model_dir, root, damage, caplog) -> str:
+    """v1 and v2 written, v2 damaged by `damage(root)`, then a resume at v2: its one warning."""
+    base = load_hf_state_dict(model_dir)
+    for v in (1, 2):
+        write_weight_version(perturbed(base, v), model_dir, root, v)
+    assert version_problem(version_dir(root, 2), 2) is None
+    damage(root)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="sluiceway"):
+        settle_versions(root, 2)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "writing v2 again from the checkpoint's weights" in warning
+    assert not version_dir(root, 2).exists() and version_dir(root, 1).is_dir()  # rebuilt by the resume's sync
+    return warning
+
+
+def test_a_version_is_checked_against_the_runs_record_not_only_its_own(model_dir, tmp_path):
+    """The run records each version it publishes beside its weights directory, as the version's checksums.json."""
+    root = tmp_path / "weights"
+    base = load_hf_state_dict(model_dir)
+    for v in (1, 2, 3):
+        write_weight_version(perturbed(base, v), model_dir, root, v)
+    record = json.loads(published_path(root).read_text())
+    assert published_path(root) == tmp_path / "weights.published.json"
+    assert sorted(record["versions"]) == ["2", "3"]  # the versions on disk (keep 2)
+    for v in (2, 3):
+        own = json.loads((version_dir(root, v) / CHECKSUMS).read_text())
+        assert record["versions"][str(v)] == own and own["weight_version"] == v
+        assert version_problem(version_dir(root, v), v) is None
+    # The version number is in what is checked: each version's model file says which it is.
+    assert (
+        record["versions"]["2"]["files"]["model.safetensors"] != record["versions"]["3"]["files"]["model.safetensors"]
+    )
+    published_path(root).write_text('{"versions": {"3": ')
+    assert version_problem(version_dir(root, 3), 3).startswith("../weights.published.json is unreadable")
+
+
+def test_an_emptied_checksums_json_and_a_flipped_byte_are_rebuilt(model_dir, tmp_path, caplog):
+    """Issue 40 point 4: checksums.json with no files listed, plus a flipped byte, passed as intact."""
+
+    def damage(root):
+        path = version_dir(root, 2)
+        (path / CHECKSUMS).write_text(json.dumps({"weight_version": 2, "files": {}}))
+        _flip_byte(path / "model.safetensors")
+        assert checksums_problem(path) == "checksums.json lists no files"  # it had passed as intact
+
+    warning = _resume_at_v2(model_dir, tmp_path / "weights", damage, caplog)
+    assert f"{version_dir(tmp_path / 'weights', 2)}/model.safetensors does not match the sha256" in warning
+
+
+def test_an_emptied_checksums_json_alone_is_named(model_dir, tmp_path):
+    """Without the run's record too: a record listing no files is damage, not a version with nothing to check."""
+    root = tmp_path / "weights"
+    path = write_weight_version(load_hf_state_dict(model_dir), model_dir, root, 2)
+    published_path(root).unlink()
+    (path / CHECKSUMS).write_text(json.dumps({"weight_version": 2, "files": {}}))
+    assert checksums_problem(path) == "checksums.json lists no files"
+    assert version_problem(path, 2) == "checksums.json lists no files"
+
+
+def test_a_deleted_checksums_json_and_a_flipped_byte_are_rebuilt(model_dir, tmp_path, caplog):
+    """Issue 40 point 4: with checksums.json deleted the log said 'written by an older build' and loaded it."""
+
+    def damage(root):
+        (version_dir(root, 2) / CHECKSUMS).unlink()
+        _flip_byte(version_dir(root, 2) / "model.safetensors")
+
+    warning = _resume_at_v2(model_dir, tmp_path / "weights", damage, caplog)
+    assert f"{version_dir(tmp_path / 'weights', 2)}/model.safetensors does not match the sha256" in warning
+    assert "older build" not in warning
+
+
+def test_a_deleted_checksums_json_alone_is_rebuilt(model_dir, tmp_path, caplog):
+    def damage(root):
+        (version_dir(root, 2) / CHECKSUMS).unlink()
+
+    warning = _resume_at_v2(model_dir, tmp_path / "weights", damage, caplog)
+    assert warning.endswith("v000002/checksums.json is missing (the run recorded v2 with one); writing v2 again "
+                            "from the checkpoint's weights")  # fmt: skip
+
+
+def test_version_1_copied_over_version_2_is_rebuilt(model_dir, tmp_path, caplog):
+    """Issue 40 point 4: v1's directory copied over v2's passed (its files match its own checksums.json)."""
+    import shutil
+
+    def damage(root):
+        shutil.rmtree(version_dir(root, 2))
+        shutil.copytree(version_dir(root, 1), version_dir(root, 2))
+        assert checksums_problem(version_dir(root, 2)) is None  # consistent in itself
+        assert version_problem(version_dir(root, 1), 1) is None
+
+    warning = _resume_at_v2(model_dir, tmp_path / "weights", damage, caplog)
+    assert "v000002/checksums.json is weight version 1's, not v2's (another version's directory copied" in warning
+
+
+def test_version_1s_files_under_version_2s_checksums_are_rebuilt(model_dir, tmp_path, caplog):
+    """v1's model file (and the rest) copied into v2 with v2's checksums.json kept, or rewritten to claim v2: the
+    run's record of v2 has v2's digest."""
+    import shutil
+
+    def damage(root):
+        src, dst = version_dir(root, 1), version_dir(root, 2)
+        shutil.copy2(src / "model.safetensors", dst / "model.safetensors")
+        own = json.loads((src / CHECKSUMS).read_text())
+        (dst / CHECKSUMS).write_text(json.dumps({**own, "weight_version": 2}))
+        assert checksums_problem(dst, 2) is None  # its own record agrees with it now
+
+    warning = _resume_at_v2(model_dir, tmp_path / "weights", damage, caplog)
+    assert "v000002/model.safetensors does not match the sha256" in warning
 
 
 def test_an_adapter_version_records_its_checksums(model_dir, tmp_path):
