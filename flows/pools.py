@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from sluiceway.flows.config import format_validation_error
 from sluiceway.infra.engine_group import EngineGroup
@@ -36,7 +36,7 @@ from sluiceway.infra.pool_agent import PoolAgent
 from sluiceway.infra.router import SGLangRouter
 from sluiceway.infra.s3_server import SeaweedS3
 from sluiceway.storage.object_store import ObjectStore
-from sluiceway.storage.weights.pool_registry import PoolRegistry
+from sluiceway.storage.weights.pool_registry import MAX_HEARTBEAT_S, PoolRegistry, name_problem, url_problem
 from sluiceway.storage.weights.store import WeightStore
 
 
@@ -45,7 +45,7 @@ class _Spec(BaseModel):
 
 
 class PoolSpec(_Spec):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")  # and not "local" (the validator below), as runs read it
     region: str = "local"
     model: str = Field(description="zoo name or HF model directory: what the engines start with")
     num_engines: int = Field(1, ge=1)
@@ -56,8 +56,22 @@ class PoolSpec(_Spec):
     router_port: int | None = Field(None, ge=1, le=65535)  # default: a free port
     url: str | None = Field(None, pattern=r"^https?://[^/\s]+", description="the router as runs reach it")
     capacity: int | None = Field(None, ge=1, description="samples in flight at once (default: the run's limit)")
-    heartbeat_s: float = Field(10.0, gt=0)
+    heartbeat_s: float = Field(10.0, gt=0, le=MAX_HEARTBEAT_S)
     drain_timeout_s: float = Field(600.0, gt=0)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if (problem := name_problem(value)) is not None:  # what a run would refuse of its record
+            raise ValueError(problem)
+        return value
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is not None and (problem := url_problem(value)) is not None:  # as runs check its record
+            raise ValueError(problem)
+        return value
 
 
 class SeaweedSpec(_Spec):
@@ -220,18 +234,29 @@ def drain_pool(name: str, weights_uri: str) -> int:
 
 def list_pools(weights_uri: str) -> int:
     """`sluiceway pools list --weights-uri URI`: the registered pools (no URLs: they may hold credentials)."""
-    import datetime as dt
-
     records = PoolRegistry(WeightStore(ObjectStore.from_uri(weights_uri))).records()
     if not records:
         print(f"no pool is registered in {weights_uri}")
         return 0
     print(f"{'pool':16} {'region':14} {'state':9} {'serving':>7} {'capacity':>8}  last heartbeat")
     for name, r in records.items():
-        beat = "-" if r.updated_unix is None else dt.datetime.fromtimestamp(r.updated_unix, dt.UTC).isoformat()[:19]
+        beat = _timestamp(r.updated_unix)
         serving = "-" if r.serving is None else f"v{r.serving}"
         print(f"{name:16} {r.region:14} {r.state:9} {serving:>7} {r.capacity or '-':>8}  {beat}")
     return 0
+
+
+def _timestamp(unix: float | None) -> str:
+    """A record's last write as UTC ISO time: "-" when it has none, "unknown" when no date can show it (a
+    record's clock may be anything: a year past 9999 is a finite number)."""
+    import datetime as dt
+
+    if unix is None:
+        return "-"
+    try:
+        return dt.datetime.fromtimestamp(unix, dt.UTC).isoformat()[:19]
+    except (ValueError, OverflowError, OSError):
+        return "unknown"
 
 
 def _s3_env() -> dict[str, str]:

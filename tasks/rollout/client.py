@@ -70,12 +70,27 @@ def parse_weight_version(value: Any) -> int:
         return 0
 
 
-def parse_generate_response(body: dict, rid: str, prompt_len: int, latency_s: float) -> GenerateResult:
-    """A ``GenerateResult`` from SGLang's ``/generate`` JSON (one request, not a batch, not streamed)."""
+def parse_generate_response(body: Any, rid: str, prompt_len: int, latency_s: float) -> GenerateResult:
+    """A ``GenerateResult`` from SGLang's ``/generate`` JSON (one request, not a batch, not streamed). An answer
+    of another shape (a remote pool's router may be anything behind a URL) raises EngineCallError, as a failed
+    call does: the dispatcher benches the pool and the group goes elsewhere."""
+    try:
+        return _parse_generate(body, rid, prompt_len, latency_s)
+    except (TypeError, ValueError, AttributeError, IndexError, KeyError, RecursionError) as exc:
+        raise EngineCallError(f"rid {rid}: the answer is not a /generate answer ({type(exc).__name__}: "
+                              f"{str(exc)[:200]})") from None  # fmt: skip
+
+
+MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 in the tables and the trainer
+
+
+def _parse_generate(body: Any, rid: str, prompt_len: int, latency_s: float) -> GenerateResult:
     if isinstance(body, list):  # a batch answer; we always send one request
         body = body[0]
     meta = body.get("meta_info") or {}
     token_ids = [int(t) for t in body.get("output_ids") or []]
+    if any(not 0 <= t <= MAX_TOKEN_ID for t in token_ids):
+        raise ValueError("a token id out of range")
     pairs = meta.get("output_token_logprobs") or []  # [[logprob, token_id, text-or-null], ...]
     logprobs = [float(p[0]) for p in pairs]
     if pairs and len(pairs) != len(token_ids):
@@ -101,7 +116,7 @@ def _refusal(r: httpx.Response, rid: str, url: str) -> WeightVersionRefused | No
         return None
     try:
         err = r.json().get("error")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return None
     if not isinstance(err, dict) or err.get("type") != WEIGHT_VERSION_MISMATCH:
         return None
@@ -117,7 +132,7 @@ def _refusal(r: httpx.Response, rid: str, url: str) -> WeightVersionRefused | No
 def _error_text(r: httpx.Response) -> str:
     try:
         body = r.json()
-    except ValueError:
+    except (ValueError, RecursionError):
         return r.text[:500]
     if isinstance(body, dict):
         err = body.get("error", body)
@@ -197,17 +212,22 @@ class EngineClient:
             "rid": rid,
         }
         answer = await self._post_generate(body, rid, lambda attempt: None, what="/generate (scoring)")
-        meta = (answer[0] if isinstance(answer, list) else answer).get("meta_info") or {}
-        # The scored span is the tail: [[logprob, token id, text], ...] (slime reads it the same way, which does
-        # not depend on whether a server lists position 0).
         want = [int(t) for t in input_ids[start:]]
-        tail = (meta.get("input_token_logprobs") or [])[-len(want) :]
-        if [int(p[1]) for p in tail] != want or any(p[0] is None for p in tail):
+        try:
+            meta = (answer[0] if isinstance(answer, list) else answer).get("meta_info") or {}
+            # The scored span is the tail: [[logprob, token id, text], ...] (slime reads it the same way, which
+            # does not depend on whether a server lists position 0).
+            tail = (meta.get("input_token_logprobs") or [])[-len(want) :]
+            scored = [int(p[1]) for p in tail] == want and all(p[0] is not None for p in tail)
+            logprobs = [float(p[0]) for p in tail] if scored else []
+        except (TypeError, ValueError, AttributeError, IndexError, KeyError, RecursionError):
+            scored = False
+        if not scored:
             raise EngineCallError(
                 f"rid {rid}: {self.router_url} did not score the {len(want)} tokens from position {start} "
                 f"(input_token_logprobs ends with other token ids or nulls)"
             )
-        return [float(p[0]) for p in tail]
+        return logprobs
 
     async def _post_generate(
         self, body: dict, rid: str, headers: Callable[[int], dict | None], what: str = "/generate"
@@ -223,10 +243,16 @@ class EngineClient:
                 r = await self._http.post(f"{self.router_url}/generate", json=body, headers=headers(attempt))
             except (httpx.ReadTimeout, httpx.WriteTimeout) as e:
                 raise EngineCallError(f"rid {rid}: no answer from {self.router_url} in time ({e!r})") from e
+            except (httpx.InvalidURL, httpx.UnsupportedProtocol) as e:  # a pool's record or flag: never retried
+                raise EngineCallError(f"rid {rid}: {self.router_url} is no address a request can go to "
+                                      f"({type(e).__name__})") from None  # fmt: skip
             except httpx.TransportError as e:
                 # Router unreachable or connection dropped (connect/pool timeouts included): same rid again.
                 last = f"{type(e).__name__}: {e}"
                 continue
+            except httpx.HTTPError as e:  # an answer httpx cannot decode (a bad Content-Encoding), say
+                raise EngineCallError(f"rid {rid}: {self.router_url}{what} answered what is no HTTP answer "
+                                      f"({type(e).__name__}: {e})") from None  # fmt: skip
             if r.status_code >= 500:
                 last = f"{r.status_code} {_error_text(r)}"
                 continue
@@ -236,7 +262,12 @@ class EngineClient:
                     raise refused
                 answer = f"{r.status_code}: {_error_text(r)}"
                 raise EngineCallError(f"rid {rid}: {self.router_url}/generate answered {answer}")
-            return r.json()
+            try:
+                return r.json()
+            except (ValueError, RecursionError):  # HTML from a proxy or a login page, say: not the API's answer
+                kind = r.headers.get("content-type", "no content type")[:80]
+                raise EngineCallError(f"rid {rid}: {self.router_url}{what} answered {r.status_code} with a body "
+                                      f"that is not JSON ({kind!r}, {len(r.content)} bytes)") from None  # fmt: skip
         tries = self.max_retries + 1
         raise EngineCallError(f"rid {rid}: {self.router_url}{what} failed {tries} times; last: {last}")
 
@@ -248,13 +279,13 @@ class EngineClient:
             kwargs["json"] = json
         try:
             r = await self._http.request(method, f"{url}{path}", **kwargs)
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, httpx.InvalidURL) as e:
             raise EngineCallError(f"{url}{path}: {type(e).__name__}: {e}") from e
         if r.status_code >= 400:
             raise EngineCallError(f"{url}{path} answered {r.status_code}: {_error_text(r)}")
         try:
             body = r.json()
-        except ValueError:
+        except (ValueError, RecursionError):
             return r.text
         # SGLang reports some failures as 200 with success=false.
         if isinstance(body, dict) and body.get("success") is False:

@@ -63,6 +63,7 @@ class PoolDispatcher:
         hedge: HedgePolicy | None = None,
         directory: PoolDirectory | None = None,
         wait_log_s: float = 60.0,
+        read_timeout_s: float = 10.0,
     ) -> None:
         if not targets and directory is None:
             raise ValueError("no pool to generate with")
@@ -80,6 +81,7 @@ class PoolDispatcher:
         self.wait_log_s = wait_log_s
         self._wait_logged: float | None = None  # when the last "waiting for a pool" line went out
         self._directory_read_at = -1e9
+        self.read_timeout_s = read_timeout_s  # a directory read that takes longer leaves the pools as last read
 
     def _all_targets(self) -> list[PoolTarget]:
         return [*self.static, *(self.directory.targets.values() if self.directory is not None else ())]
@@ -99,12 +101,15 @@ class PoolDispatcher:
         return next((t for t in self.static if t.local), None)
 
     async def _refresh(self) -> None:
-        """Read the directory again if ``refresh_s`` has passed (in a thread: the store may be a WAN away)."""
+        """Read the directory again if ``refresh_s`` has passed (in a thread: the store may be a WAN away; one that
+        does not answer within ``read_timeout_s`` leaves the pools as last read, and the rollout goes on)."""
         now = time.monotonic()
         if self.directory is None or now - self._directory_read_at < self.refresh_s:
             return
         self._directory_read_at = now
-        self.directory.apply(await asyncio.to_thread(self.directory.read))
+        reading = await self.directory.read_within(self.read_timeout_s)
+        if reading is not None:
+            self.directory.apply(reading)
         await self.directory.close_idle()
         self.targets = self._all_targets()
         for t in self.targets:

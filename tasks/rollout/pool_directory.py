@@ -22,7 +22,10 @@ version and liveness carry over to the next step.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,6 +85,10 @@ class PoolDirectory:
         self._seen: dict[str, _Seen] = {}
         self._ignored: set[str] = set()  # left-over records, logged once
         self._dropped: dict[str, int] = {}  # silent pools dropped, at the beat they fell silent on
+        self._unread: dict[str, str] = {}  # sources that could not be read, and the kind of error (warned once)
+        self._reading: concurrent.futures.Future[Reading] | None = None  # a read on its thread (read_within)
+        self._reading_since = 0.0
+        self._slow_said = False
 
     @property
     def targets(self) -> dict[str, PoolTarget]:
@@ -89,24 +96,76 @@ class PoolDirectory:
         return self._fixed | self._joined
 
     def read(self) -> Reading:
-        """Every source's records (blocking: the dispatcher calls it in a thread). A store that cannot be read
-        now leaves its pools as last read. A name registered in two registries is one pool: the first registry's
-        record wins."""
+        """Every source's records (blocking: the dispatcher calls it through :meth:`read_within`). A store that
+        cannot be read now leaves its pools as last read, with one warning until it can be read again (never an
+        exception: the registry is what pools say, and no pool may end the run). A name registered in two
+        registries is one pool: the first registry's record wins."""
         fixed: dict[str, PoolRecord | None] = {}
         for pool in self.fixed:
             try:
                 fixed[pool.name] = pool.registry.record(pool.name)
-            except OSError as exc:
-                log.warning("pool %s: could not read what it serves: %s", pool.name, exc)
+            except Exception as exc:  # noqa: BLE001 - whatever the store raised, the run goes on without the news
+                self._unreadable(f"pool {pool.name}", exc, f"pool {pool.name}: could not read what it serves")
+            else:
+                self._readable(f"pool {pool.name}", f"pool {pool.name}: what it serves is read again")
         registered: dict[str, PoolRecord] | None = {}
-        try:
-            for registry in self.registries:
-                for name, record in registry.records().items():
+        for registry in self.registries:
+            try:
+                found = registry.records()
+            except Exception as exc:  # noqa: BLE001 - the store is unreachable for now
+                self._unreadable(registry.wstore.uri, exc, f"pool registry {registry.wstore.uri}: could not read "
+                                 "it; its pools stay as last read")  # fmt: skip
+                registered = None
+                continue
+            self._readable(registry.wstore.uri, f"pool registry {registry.wstore.uri}: read again")
+            if registered is not None:
+                for name, record in found.items():
                     registered.setdefault(name, record)
-        except OSError as exc:  # the store is unreachable for now
-            log.warning("pool registry: could not read it: %s", exc)
-            registered = None
         return Reading(registered, fixed)
+
+    def _unreadable(self, source: str, exc: BaseException, what: str) -> None:
+        """One warning per source and kind of error, not one per refresh while the store stays down."""
+        kind = type(exc).__name__
+        if self._unread.get(source) != kind:
+            self._unread[source] = kind
+            log.warning("%s (%s: %s)", what, kind, exc)
+
+    def _readable(self, source: str, what: str) -> None:
+        if self._unread.pop(source, None) is not None:
+            log.info("%s", what)
+
+    async def read_within(self, timeout_s: float) -> Reading | None:
+        """:meth:`read` on a thread of its own, waited for until it is ``timeout_s`` old: None while it runs on
+        (the pools stay as last read; a later call takes its result, and starts no second read beside it). The
+        thread is a daemon: a read that never returns (a store that stops answering mid-read) holds neither the
+        rollout nor the run's exit."""
+        if self._reading is None:
+            future: concurrent.futures.Future[Reading] = concurrent.futures.Future()
+
+            def work() -> None:
+                future.set_running_or_notify_cancel()
+                try:
+                    future.set_result(self.read())
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(exc)
+
+            self._reading, self._reading_since = future, time.monotonic()
+            threading.Thread(target=work, name="pool-directory-read", daemon=True).start()
+        future = self._reading
+        left = self._reading_since + timeout_s - time.monotonic()
+        if left > 0 and not future.done():
+            await asyncio.wait({asyncio.wrap_future(future)}, timeout=left)
+        if not future.done():
+            if not self._slow_said:
+                self._slow_said = True
+                log.warning("pool registry: a read has not returned in %.0f s; the pools stay as last read until "
+                            "it does", timeout_s)  # fmt: skip
+            return None
+        self._reading = None
+        if self._slow_said:
+            self._slow_said = False
+            log.info("pool registry: the slow read returned")
+        return future.result()
 
     def apply(self, reading: Reading) -> None:
         """Update the targets from ``reading``."""
