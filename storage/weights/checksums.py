@@ -106,7 +106,7 @@ def checksums_problem(model_dir: Path, version: int | None = None) -> str | None
 
 def published_path(root: Path) -> Path:
     """The run's record of the versions it published under `root` (beside `root`, not in it)."""
-    root = Path(root)
+    root = Path(root).absolute()  # "." has no name to put the record beside
     return root.with_name(root.name + ".published.json")
 
 
