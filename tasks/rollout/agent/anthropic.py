@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sluiceway.tasks.rollout.agent.api import Adapter, Call, int_or_none, pieces, sse, stop_list
+from sluiceway.tasks.rollout.agent.api import Adapter, Call, int_or_none, model_name, pieces, sse, stop_list
 from sluiceway.tasks.rollout.agent.render import SessionError, content_text, function_tool, new_id
 from sluiceway.tasks.rollout.agent.session import AgentSession, ModelTurn, TurnRequest
 
@@ -57,6 +57,9 @@ def input_messages(system: Any, messages: Any) -> list[dict]:
                 if b["type"] == "text":
                     text.append(str(b.get("text", "")))
                 elif b["type"] == "tool_use":
+                    if not isinstance(b.get("name"), str) or not b["name"] or not isinstance(b.get("input", {}), dict):
+                        raise SessionError(f"messages.{i}.content.{j}: a tool_use block needs a string 'name' and an "
+                                           "object 'input'")  # fmt: skip
                     calls.append(
                         {
                             "id": str(b.get("id", "")),
@@ -125,7 +128,7 @@ class Messages(Adapter):
                           tools=neutral_tools(body.get("tools")), max_tokens=max_tokens,
                           stop=stop_list(body.get("stop_sequences"), "stop_sequences"),
                           parse_tools=not (isinstance(choice, dict) and choice.get("type") == "none"))  # fmt: skip
-        return Call(req, body, bool(body.get("stream")), str(body.get("model") or "policy"), new_id("msg_"))
+        return Call(req, body, bool(body.get("stream")), model_name(body), new_id("msg_"))
 
     def _stop_reason(self, turn: ModelTurn) -> str:
         if turn.finish_reason != "stop":

@@ -34,9 +34,26 @@ class Call:
 
 
 def sse(data: Any, event: str | None = None) -> str:
-    """One server-sent event: `event: NAME` (when named) and one `data:` line of JSON."""
+    """One server-sent event: `event: NAME` (when named) and one `data:` line of JSON (ValueError for what JSON
+    cannot carry: NaN, infinity)."""
     head = f"event: {event}\n" if event else ""
-    return f"{head}data: {json.dumps(data, separators=(',', ':'))}\n\n"
+    return f"{head}data: {json.dumps(data, separators=(',', ':'), allow_nan=False)}\n\n"
+
+
+def encode(data: Any) -> bytes:
+    """An answer's body as it is sent: JSON in UTF-8, or ValueError (NaN, infinity, a lone surrogate): the server
+    serialises every answer before the call counts as answered (server.py)."""
+    return json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+def model_name(body: dict) -> str:
+    """The request's `model`, echoed in the answer (not checked against anything): a string, or "policy"."""
+    model = body.get("model")
+    if model is None or model == "":
+        return "policy"
+    if not isinstance(model, str):
+        raise SessionError(f"model must be a string, got {type(model).__name__}")
+    return model
 
 
 def pieces(text: str, n: int = DELTA_CHARS) -> list[str]:

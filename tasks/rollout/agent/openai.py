@@ -8,7 +8,7 @@ pieces); the last chunk has the `finish_reason`; with `stream_options.include_us
 
 from __future__ import annotations
 
-from sluiceway.tasks.rollout.agent.api import Adapter, Call, int_or_none, pieces, sse, stop_list
+from sluiceway.tasks.rollout.agent.api import Adapter, Call, int_or_none, model_name, pieces, sse, stop_list
 from sluiceway.tasks.rollout.agent.render import SessionError, check_messages, check_tools, new_id
 from sluiceway.tasks.rollout.agent.session import AgentSession, ModelTurn, TurnRequest
 
@@ -43,7 +43,7 @@ class ChatCompletions(Adapter):
         choice = body.get("tool_choice")
         req = TurnRequest(messages=messages, tools=check_tools(body.get("tools")), parse_tools=choice != "none",
                           **_common(body))  # fmt: skip
-        return Call(req, body, bool(body.get("stream")), str(body.get("model") or "policy"), new_id("chatcmpl-"))
+        return Call(req, body, bool(body.get("stream")), model_name(body), new_id("chatcmpl-"))
 
     def _finish(self, turn: ModelTurn) -> str:
         return "tool_calls" if turn.tool_calls and turn.finish_reason == "stop" else turn.finish_reason
@@ -89,7 +89,7 @@ class Completions(Adapter):
 
     def parse(self, session: AgentSession, body: dict) -> Call:
         req = TurnRequest(prompt=body.get("prompt"), **_common(body))
-        return Call(req, body, bool(body.get("stream")), str(body.get("model") or "policy"), new_id("cmpl-"))
+        return Call(req, body, bool(body.get("stream")), model_name(body), new_id("cmpl-"))
 
     def reply(self, call: Call, turn: ModelTurn) -> dict:
         return {

@@ -11,6 +11,7 @@ history in it. See docs/agents.md.
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from typing import Any
@@ -27,6 +28,7 @@ TOOLS_SYSTEM_PROMPT = (
     'To call one, write <tool_call>{{"name": <function-name>, "arguments": <args-json-object>}}</tool_call>'
 )
 TEXT_PARTS = ("text", "input_text", "output_text")  # chat, Responses input, Responses output
+MAX_JSON_DEPTH = 64  # objects and lists nested deeper in a body (or a model's tool call) are refused
 
 
 class SessionError(Exception):
@@ -41,13 +43,60 @@ def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:24]}"
 
 
+# ------------------------------------------------------------------------------------------ strict JSON
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number: numbers must be finite")
+
+
+def _check_text(s: str) -> None:
+    if not s.isascii():
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = s[e.start]
+            raise ValueError(f"a string holds a lone surrogate (\\u{ord(bad):04x}): not valid Unicode") from None
+
+
+def check_json_value(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """ValueError unless `value` is JSON that any client can read back: finite numbers, strings that are valid
+    Unicode (no lone surrogate), at most `max_depth` objects and lists nested. Walked without recursion."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict | list):
+            if depth > max_depth:
+                raise ValueError(f"objects and lists are nested more than {max_depth} deep")
+            if isinstance(v, dict):
+                for k, x in v.items():
+                    _check_text(k)
+                    stack.append((x, depth + 1))
+            else:
+                stack.extend((x, depth + 1) for x in v)
+        elif isinstance(v, str):
+            _check_text(v)
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"the number {v} is out of range: numbers must be finite")
+
+
+def loads_strict(text: str | bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """JSON as the agent endpoint reads it (a body, a model's tool call): ValueError naming what is wrong for
+    anything `check_json_value` refuses (NaN, Infinity, 1e999, a lone surrogate, nesting beyond `max_depth`), as
+    for text that is not JSON at all."""
+    try:
+        value = json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError(f"objects and lists are nested more than {max_depth} deep") from None
+    check_json_value(value, max_depth)
+    return value
+
+
 # ------------------------------------------------------------------------------------------ tool calls
 def _arguments(obj: dict) -> dict | None:
     """A `<tool_call>` block's arguments as an object: absent is {}, a JSON string is parsed; else None."""
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
+            args = loads_strict(args) if args.strip() else {}
         except ValueError:
             return None
     return args if isinstance(args, dict) else None
@@ -60,8 +109,8 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     calls, kept = [], []
     pos = 0
     for m in TOOL_CALL_RE.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
+        try:  # a block holding NaN or nested past MAX_JSON_DEPTH is text: no API answer could carry it
+            obj = loads_strict(m.group(1))
         except ValueError:
             obj = None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -118,12 +167,36 @@ def message_key(m: dict) -> tuple:
             json.dumps(tool_call_list(m), sort_keys=True, default=str))  # fmt: skip
 
 
+def check_tool_calls(calls: Any, where: str) -> None:
+    """A neutral message's `tool_calls`: absent, or a list of `{"id"?, "type": "function", "function": {"name",
+    "arguments"?: a JSON string}}` (anything else was trained as a call to nothing: issue 40)."""
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise SessionError(f"{where}: expected a list of tool calls, got {type(calls).__name__}")
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or c.get("type", "function") != "function":
+            raise SessionError(f"{where}[{j}]: expected {{'type': 'function', 'function': {{'name', 'arguments'}}}}, "
+                               f"got {type(c).__name__ if not isinstance(c, dict) else c.get('type')!r}")  # fmt: skip
+        if not isinstance(f.get("name"), str) or not f["name"]:
+            raise SessionError(f"{where}[{j}].function.name: expected a non-empty string")
+        if f.get("arguments") is not None and not isinstance(f["arguments"], str):
+            raise SessionError(f"{where}[{j}].function.arguments: expected a JSON string")
+        if c.get("id") is not None and not isinstance(c["id"], str):
+            raise SessionError(f"{where}[{j}].id: expected a string")
+
+
 def check_messages(messages: Any, where: str = "messages") -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise SessionError(f"{where} must be a non-empty list")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise SessionError(f"{where}[{i}]: expected an object with a string 'role'")
+        check_tool_calls(m.get("tool_calls"), f"{where}[{i}].tool_calls")
+        for k in ("name", "tool_call_id"):
+            if m.get(k) is not None and not isinstance(m[k], str):
+                raise SessionError(f"{where}[{i}].{k}: expected a string, got {type(m[k]).__name__}")
     return messages
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from sluiceway.tasks.rollout.agent.api import Adapter, Call, int_or_none, pieces, sse
+from sluiceway.tasks.rollout.agent.api import Adapter, Call, int_or_none, model_name, pieces, sse
 from sluiceway.tasks.rollout.agent.render import SessionError, content_text, function_tool, new_id
 from sluiceway.tasks.rollout.agent.session import AgentSession, ModelTurn, TurnRequest
 
@@ -50,6 +50,8 @@ def input_messages(items: Any) -> list[dict]:
             if not isinstance(it.get("name"), str):
                 raise SessionError(f"input[{i}]: a function_call needs a string 'name'")
             args = it.get("arguments")
+            if args is not None and not isinstance(args, str):
+                raise SessionError(f"input[{i}]: a function_call's 'arguments' must be a JSON string")
             call = {"id": str(it.get("call_id") or it.get("id") or ""), "type": "function",
                     "function": {"name": it["name"], "arguments": args if isinstance(args, str) else "{}"}}  # fmt: skip
             if not prev_assistant:
@@ -97,18 +99,25 @@ class Responses(Adapter):
         prev = body.get("previous_response_id")
         before: list[dict] = []
         if prev is not None:
+            if not isinstance(prev, str):  # a list or an object was a 500, a number a 404 (issue 40)
+                raise SessionError(f"previous_response_id must be a string, got {type(prev).__name__}")
             if prev not in known:
                 raise SessionError(f"previous response {prev!r} not found in this session", 404)
             before = known[prev]
         instructions = body.get("instructions")
         if instructions is not None and not isinstance(instructions, str):
             raise SessionError("instructions must be a string")
+        metadata = body.get("metadata")  # echoed in the answer: string keys and values, as OpenAI's API takes
+        if metadata is not None and not (
+            isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+        ):
+            raise SessionError("metadata must be an object of string values")
         conversation = before + input_messages(body["input"])
         messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
         req = TurnRequest(messages=messages, tools=neutral_tools(body.get("tools")),
                           max_tokens=int_or_none(body, "max_output_tokens"),
                           parse_tools=body.get("tool_choice") != "none")  # fmt: skip
-        call = Call(req, body, bool(body.get("stream")), str(body.get("model") or "policy"), new_id("resp_"))
+        call = Call(req, body, bool(body.get("stream")), model_name(body), new_id("resp_"))
         call.extra.update(conversation=conversation, session=session)
         return call
 

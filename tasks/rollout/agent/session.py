@@ -16,7 +16,13 @@ from typing import Any
 
 from sluiceway.models.chat import encode_prompt
 from sluiceway.storage.trajectories import reward_problem
-from sluiceway.tasks.rollout.agent.render import ChatRenderer, SessionError, message_key, parse_tool_calls
+from sluiceway.tasks.rollout.agent.render import (
+    ChatRenderer,
+    SessionError,
+    check_messages,
+    message_key,
+    parse_tool_calls,
+)
 from sluiceway.tasks.rollout.multiturn import GenerateContext, TokenBuffer
 
 DROPPED = "the agent dropped its connection during a model call"
@@ -129,6 +135,7 @@ class AgentSession:
     def _begin_messages(self, messages: list[dict], tools: list | None) -> None:
         if self.renderer is None:
             raise SessionError("the tokenizer has no chat template: only the completions API works here")
+        check_messages(messages)  # every adapter's neutral messages: a role, tool calls as calls (else a 400)
         keys = [message_key(m) for m in messages]
         if self.kind is None:
             text = self.renderer.render(messages, tools)
@@ -153,11 +160,16 @@ class AgentSession:
         self._pending = (list(messages), keys)
 
     def _begin_text(self, prompt: Any) -> None:
-        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]
-        token_in = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt
+        token_in = isinstance(prompt, list) and bool(prompt)
         if not token_in and not isinstance(prompt, str):
             raise SessionError("prompt must be a string or a list of token ids")
+        if token_in:  # ids the tokenizer and the engines know: 10**12 or -1 was a 500 (issue 40)
+            vocab = len(self.tokenizer)
+            for i, t in enumerate(prompt):
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise SessionError(f"prompt[{i}]: a token id must be an integer in [0, {vocab}), got {t!r}")
         if self.kind is None:
             if token_in:
                 self._start(list(prompt), self.tokenizer.decode(prompt), "completion")
