@@ -158,7 +158,7 @@ class PoolDirectory:
         if not future.done():
             if not self._slow_said:
                 self._slow_said = True
-                log.warning("pool registry: a read has not returned in %.0f s; the pools stay as last read until "
+                log.warning("pool registry: a read has not returned in %g s; the pools stay as last read until "
                             "it does", timeout_s)  # fmt: skip
             return None
         self._reading = None

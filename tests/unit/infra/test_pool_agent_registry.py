@@ -111,3 +111,41 @@ def test_pools_list_and_drain_commands(tmp_path, capsys):
         drain_pool("west", uri)
     drain_pool("east", uri)
     assert registry.drain_requested("east")
+
+
+def test_pools_list_prints_a_bad_timestamp_as_unknown(tmp_path, capsys):
+    """Issue 40: `sluiceway pools list` failed on a record whose time no date can show (a finite number still)."""
+    from sluiceway.flows.pools import list_pools
+    from sluiceway.storage.weights.pool_registry import PoolRecord
+
+    uri = str(tmp_path / "store")
+    registry = PoolRegistry(WeightStore(ObjectStore.from_uri(uri)))
+    registry.write(PoolRecord(pool="far", updated_unix=1e300, serving=2))  # the year 10**292
+    registry.write(PoolRecord(pool="near", updated_unix=0.0))
+    assert list_pools(uri) == 0
+    out = capsys.readouterr().out
+    assert "far" in out and "unknown" in out and "1970-01-01T00:00:00" in out
+
+
+def test_an_agent_and_a_pools_file_refuse_what_runs_would_skip(tmp_path):
+    """Issue 40: a pool named 'local', a NaN heartbeat or a URL that does not parse was written, and every run
+    skipped (or, before, took) its record: refused where the pool starts instead."""
+    import math
+
+    import pytest
+
+    from sluiceway.flows.pools import load_pools
+    from sluiceway.infra.errors import UserError
+
+    wstore = WeightStore(ObjectStore.from_uri(str(tmp_path / "store")))
+    for bad in ({"name": "local"}, {"heartbeat_s": math.nan}, {"heartbeat_s": 1e9}, {"url": "http://[::1"}):
+        kw = {"name": "east", "url": "http://lb:1"} | bad
+        with pytest.raises(ValueError):
+            PoolAgent(kw.pop("name"), wstore, [], tmp_path / "agent", **kw)
+    path = tmp_path / "pools.yaml"
+    for bad in ("name: local", "name: east\n  url: 'http://[::1'", "name: east\n  heartbeat_s: .nan"):
+        path.write_text(f"pools:\n- {bad}\n  model: tiny-llama\n  weights_uri: {tmp_path / 'store'}\n")
+        with pytest.raises(UserError):
+            load_pools(path)
+    path.write_text(f"pools:\n- name: east\n  model: tiny-llama\n  weights_uri: {tmp_path / 'store'}\n")
+    assert load_pools(path).pools[0].name == "east"

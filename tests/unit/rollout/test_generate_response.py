@@ -23,3 +23,23 @@ def test_parse_generate_response():
     body["meta_info"]["output_token_logprobs"] = body["meta_info"]["output_token_logprobs"][:1]
     with pytest.raises(EngineCallError, match="2 output ids but 1 logprobs"):
         parse_generate_response(body, "r", 3, 0.1)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        [],  # an empty batch
+        "text",
+        {"output_ids": "abc"},
+        {"output_ids": [1, -1]},  # token ids a pool may not send
+        {"output_ids": [10**12]},
+        {"output_ids": [1], "meta_info": {"output_token_logprobs": [[None, 1, None]]}},
+        {"output_ids": [1], "meta_info": {"prompt_tokens": "many"}},
+        {"output_ids": [1], "meta_info": ["not", "a", "dict"]},
+    ],
+)
+def test_an_answer_of_another_shape_is_an_engine_call_error(body):
+    """Issue 40: a remote pool's answer is parsed defensively; anything that is not SGLang's /generate answer is
+    an EngineCallError (the dispatcher benches the pool), never a TypeError or IndexError that ends the run."""
+    with pytest.raises(EngineCallError, match="is not a /generate answer"):
+        parse_generate_response(body, "r", 3, 0.1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 
 import pytest
 
@@ -228,3 +229,65 @@ def test_a_pool_that_falls_silent_is_seen_while_no_group_waits(registry):
         await d.aclose()
 
     asyncio.run(scenario())
+
+
+class StuckRegistry(PoolRegistry):
+    """A registry whose listing does not return until ``go`` is set (a store that stops answering mid-read)."""
+
+    def __init__(self, wstore) -> None:
+        super().__init__(wstore)
+        self.go, self.reads = threading.Event(), 0
+
+    def records(self):
+        self.reads += 1
+        self.go.wait()
+        return super().records()
+
+
+def test_a_registry_read_that_hangs_leaves_the_pools_as_last_read(tmp_path, caplog):
+    """Issue 40: a read of the registry that never returns (the FIFO of point 3 was one) hung the run with no log
+    line. The rollout goes on with the pools as last read, one warning; no second read starts beside the first."""
+    registry = StuckRegistry(WeightStore(ObjectStore.from_uri(str(tmp_path / "weights"))))
+    registry.write(record("east", serving=5))
+
+    async def scenario():
+        d = directory(registry, Clock(), Clock(5000.0))
+        local = PoolTarget(LOCAL, client=None, capacity=4, local=True)
+        disp = PoolDispatcher([local], min_version=5, refresh_s=0.0, wait_s=0.01, directory=d, read_timeout_s=0.05)
+        for _ in range(3):  # the read hangs: each group still gets the run's own engines
+            target = await disp.acquire(4)
+            assert target is local
+            await disp.release(local, 4)
+        assert registry.reads == 1 and "east" not in d.targets
+        registry.go.set()  # the store answers again: the read returns, and the next refresh applies it
+        for _ in range(200):
+            await disp._refresh()
+            if "east" in d.targets:
+                break
+            await asyncio.sleep(0.01)
+        assert d.targets["east"].version == 5  # what the read that hung found, once it returned
+        await d.aclose()
+
+    caplog.set_level(logging.INFO, "sluiceway")
+    asyncio.run(scenario())
+    assert caplog.text.count("a read has not returned") == 1 and "the slow read returned" in caplog.text
+
+
+def test_an_unreadable_registry_is_one_line_until_it_reads_again(registry, caplog):
+    class Down(PoolRegistry):
+        down = True
+
+        def records(self):
+            if self.down:
+                raise OSError("the store does not answer")
+            return super().records()
+
+    down = Down(registry.wstore)
+    registry.write(record("east"))
+    d = PoolDirectory([down], Client, default_capacity=8, clock=Clock(), wall_clock=Clock(5000.0))
+    caplog.set_level(logging.INFO, "sluiceway")
+    for _ in range(3):
+        assert d.read().registered is None  # the pools stay as last read
+    down.down = False
+    assert list(d.read().registered) == ["east"]
+    assert caplog.text.count("could not read it") == 1 and caplog.text.count("read again") == 1
