@@ -301,10 +301,22 @@ def test_an_unexpected_failure_is_one_line_and_the_apis_500(caplog, capfd, monke
         }
         r = httpx.post(endpoint.url + "/v1/models", content=b"x" * 100)  # 405, its body unread: then closed
         assert r.status_code == 405 and r.headers["connection"] == "close"
+        for _ in range(3):  # uvicorn's own complaint: one line, the repeats counted in the next one
+            with socket.create_connection(("127.0.0.1", endpoint.port)) as c:
+                c.sendall(b"NOT HTTP\r\n\r\n")
+                assert c.recv(1 << 16).startswith(b"HTTP/1.1 400")
+        for _ in range(3):  # the loop's own errors (accept() out of file handles, say): one line
+            err = OSError(24, "Too many open files")
+            context = {"message": "socket.accept() out of system resource", "exception": err}
+            endpoint.loop.call_soon_threadsafe(endpoint.loop.call_exception_handler, context)
+        wait_until(lambda: any("out of system resource" in r.getMessage() for r in caplog.records), "the loop's line")
     finally:
         endpoint.stop()
     lines = [r.getMessage() for r in caplog.records if "agent endpoint" in r.getMessage()]
-    assert len(lines) == 2 and all("RuntimeError: boom second line" in m for m in lines), lines
+    assert len(lines) == 4, lines
+    assert all("RuntimeError: boom second line" in m for m in lines[:2]), lines
+    assert "uvicorn: Invalid HTTP request received." in lines[2], lines
+    assert "socket.accept() out of system resource: OSError: [Errno 24] Too many open files" in lines[3], lines
     no_tracebacks(caplog, capfd)
 
 
