@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 
@@ -135,7 +136,7 @@ class RolloutConfig(Group):
             if not sep:
                 raise ValueError(f"rollout_pools: {spec!r} is not NAME=http://HOST:PORT, auto, or a pool registry "
                                  "(the weight store URI pools register in: s3://bucket/prefix or a path)")  # fmt: skip
-            if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or not re.match(r"https?://[^/\s]+", url):
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or not re.match(r"https?://[^/\s]+", url) or _no_url(url):
                 raise ValueError(f"rollout_pools: {spec!r} is not NAME=http://HOST:PORT")
             if name == "local" or name in dict(out):
                 raise ValueError(f"rollout_pools: pool name {name!r} is taken (each pool needs its own; 'local' "
@@ -155,6 +156,17 @@ class RolloutConfig(Group):
     def pool_registries(self) -> list[str]:
         """rollout_pools' registries: `auto` (the run's weight store) or weight store URIs, as written."""
         return [spec for spec in self.rollout_pools or [] if "=" not in spec and _is_registry(spec)]
+
+
+def _no_url(url: str) -> bool:
+    """Whether ``url`` does not parse with a host and a port httpx can reach ('http://[::1' passed the pattern and
+    failed at the first request; storage/weights/pool_registry.py url_problem checks registered pools' the same)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in 0-65535
+    except ValueError:
+        return True
+    return not parts.hostname or any(c.isspace() or not c.isprintable() for c in url)
 
 
 def _is_registry(spec: str) -> bool:

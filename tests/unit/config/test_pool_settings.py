@@ -74,6 +74,9 @@ def test_rollout_pools_take_fixed_pools_auto_and_registry_uris():
     assert cfg.pool_registry_uris == [cfg.weights_uri, "s3://replica/w"]
     with pytest.raises(ValueError, match="'east' is not NAME=http://HOST:PORT, auto, or a pool registry"):
         validate_for(_rollout_cfg(rollout_pools=["east"]), "run")
+    for url in ("http://[::1", "http://h:99999", "http://:1"):  # issue 40: InvalidURL at the first request
+        with pytest.raises(ValueError, match="is not NAME=http://HOST:PORT"):
+            validate_for(_rollout_cfg(rollout_pools=[f"east={url}"]), "run")
 
 
 def test_a_run_without_engines_of_its_own_needs_pools_and_no_eval():
