@@ -17,11 +17,12 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import yaml
-from cli_run import BATCH, SCORER, N
+from cli_run import BATCH, SCORER, N, cli_args
 from paths import DATA
 from process_tags import processes_tagged
 
@@ -114,11 +115,32 @@ def cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache) -> Path:
-    """An uninterrupted run: what every interrupted one must end up equal to."""
+def live_reference(tmp_path_factory, cache) -> SimpleNamespace:
+    """The uninterrupted run, and what a second run and a resume on its directory were told while it ran: one run
+    serves test_a_second_run_on_a_live_directory_is_refused and, as `reference`, every test that compares."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    proc = cli(run_args(run_dir), cache)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    first = start(run_args(run_dir), cache, f"fault-{uuid.uuid4().hex}")
+    wait_for(lambda: (run_dir / "sluiceway-run.yaml").exists(), first, "the first run's record")
+    second = cli(run_args(run_dir, "--seed", "4"), cache)
+    resumed = cli(["resume", str(run_dir)], cache)  # a resume of a live run is refused the same way
+    output, _ = first.communicate(timeout=600)
+    return SimpleNamespace(run_dir=run_dir, pid=first.pid, returncode=first.returncode, output=output,
+                           second=second, resumed=resumed)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(live_reference) -> Path:
+    """An uninterrupted run: what every interrupted one must end up equal to."""
+    assert live_reference.returncode == 0, live_reference.output
+    return live_reference.run_dir
+
+
+@pytest.fixture(scope="module")
+def two_steps(two_step_run) -> Path:
+    """A finished run of the first STEPS - 1 steps with run_args' settings, copied (copy_run) by the tests that
+    extend or damage it: the session's two-step run (tests/integration/conftest.py), which is that run."""
+    run_dir, _ = two_step_run
+    assert STEPS - 1 == 2 and run_args(run_dir)[:-2] == cli_args(run_dir)[3:]  # the same settings but the steps
     return run_dir
 
 
@@ -168,17 +190,13 @@ def test_kill_at_seeded_random_moments(tmp_path, cache, reference):
     assert_same_training(run_dir, reference)
 
 
-def test_a_second_run_on_a_live_directory_is_refused(tmp_path, cache):
-    run_dir = tmp_path / "run"
-    tag = f"fault-{uuid.uuid4().hex}"
-    first = start(run_args(run_dir), cache, tag)
-    wait_for(lambda: (run_dir / "sluiceway-run.yaml").exists(), first, "the first run's record")
-    second = cli(run_args(run_dir, "--seed", "4"), cache)
-    line = one_line_error(second, 2)
+def test_a_second_run_on_a_live_directory_is_refused(cache, live_reference):
+    """The second run and the resume were started while the reference run was live (the fixture)."""
+    run_dir, first = live_reference.run_dir, live_reference
+    line = one_line_error(live_reference.second, 2)
     assert f"in use by `sluiceway run` (pid {first.pid} on " in line
-    resumed = cli(["resume", str(run_dir)], cache)  # a resume of a live run is refused the same way
-    assert f"pid {first.pid}" in one_line_error(resumed, 2)
-    assert first.wait(600) == 0
+    assert f"pid {first.pid}" in one_line_error(live_reference.resumed, 2)
+    assert first.returncode == 0, first.output
     # Finished, the directory still holds that run: another config is refused, not mixed in.
     later = cli(run_args(run_dir, "--seed", "4"), cache)
     assert "holds another run (training.seed differ)" in one_line_error(later, 2)
@@ -235,16 +253,14 @@ def test_a_nan_reward_fails_its_sample_and_the_run_goes_on(tmp_path, cache):
     assert checkpoint_step(run_dir) == STEPS - 1
 
 
-def test_a_nan_reward_stored_by_an_older_build_is_scored_again_on_resume(tmp_path, cache):
+def test_a_nan_reward_stored_by_an_older_build_is_scored_again_on_resume(tmp_path, cache, two_steps):
     """A table from before the reward check holds a NaN reward in a step still to train: a resume scores that
     sample again (the ledger says the step is scored) and trains, instead of failing with `non-finite loss`."""
     import pyarrow as pa
 
     from sluiceway.storage.trajectories import update_samples
 
-    run_dir = tmp_path / "run"
-    first = cli(run_args(run_dir, "--num-rollout", "2"), cache)
-    assert first.returncode == 0, first.stdout + first.stderr
+    run_dir = copy_run(two_steps, tmp_path)  # a finished run of 2 steps
     store = ObjectStore.from_uri(str(run_dir / "tables"))
     # What an older build stored (the writer refuses it now, so past it), then the checkpoint moved away:
     # the resume trains steps 0 and 1 again from the stored trajectories, as after a failed step 1.
@@ -325,12 +341,10 @@ def _flip_weights_byte(model_file: Path) -> str:
     return name
 
 
-def test_a_damaged_weight_version_is_rebuilt_from_the_checkpoint_on_resume(tmp_path, reference, cache):
+def test_a_damaged_weight_version_is_rebuilt_from_the_checkpoint_on_resume(tmp_path, reference, cache, two_steps):
     """The version a resume loads on its engines is checked against the checksums written with it; a damaged one
     is written again from the (verified) checkpoint with a warning, and the run ends as an undamaged one."""
-    run_dir = tmp_path / "run"
-    first = cli(run_args(run_dir, "--num-rollout", str(STEPS - 1)), cache)
-    assert first.returncode == 0, first.stdout + first.stderr
+    run_dir = copy_run(two_steps, tmp_path)  # a finished `--num-rollout STEPS - 1` run
     newest = sorted((run_dir / "weights").glob("v*"))[-1]
     assert newest.name == f"v{STEPS - 1:06d}"  # what the resume's engines load before step 3
     _flip_weights_byte(newest / "model.safetensors")

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from cli_run import BATCH, SCORER, N, run_cli
+from cli_run import BATCH, SCORER, N
 from safetensors.torch import load_file
 
 from sluiceway.infra.errors import UserError
@@ -35,19 +35,28 @@ def last_version_without(store, run_id, step) -> int:
     return v
 
 
+RUN = "run"  # the run id of the session's two-step run (tests/integration/conftest.py)
+
+
 @pytest.fixture(scope="module")
-def stored(tmp_path_factory):
-    """A finished 2-step RL run, and the table version after its step 0 (before any row of step 1)."""
-    base = tmp_path_factory.mktemp("replay")
-    run_dir, cache = base / "stored", base / "cache"
-    run_cli(run_dir, cache, "--num-rollout", "2")
+def stored(two_step_run):
+    """A finished 2-step RL run (`run_cli(..., "--num-rollout", "2")`, shared with test_faults.py: read here, never
+    written), and the table version after its step 0 (before any row of step 1)."""
+    run_dir, cache = two_step_run
+    assert run_dir.name == RUN
     store = ObjectStore.from_uri(str(run_dir / "tables"))
-    return run_dir, cache, store, last_version_without(store, "stored", 1)
+    return run_dir, cache, store, last_version_without(store, RUN, 1)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """This module's output directories (the replay, the eval), beside no one else's."""
+    return tmp_path_factory.mktemp("replay")
 
 
 def replay_args(run_dir, out, *extra):
     return (
-        "replay", "--replay-run-id", "stored", "--replay-tables", str(run_dir / "tables"),
+        "replay", "--replay-run-id", RUN, "--replay-tables", str(run_dir / "tables"),
         "--output-dir", str(out), "--hf-checkpoint", "tiny-llama", "--rollout-temperature", "1.0", "--lr", "1e-3",
         "--rollout-batch-size", str(BATCH), "--n-samples-per-prompt", str(N), "--global-batch-size", str(BATCH * N),
         "--micro-batch-size", "8", "--save-interval", "1", *extra,
@@ -55,9 +64,9 @@ def replay_args(run_dir, out, *extra):
 
 
 @pytest.fixture(scope="module")
-def replayed(stored):
+def replayed(stored, work):
     run_dir, cache, _, version = stored
-    out = run_dir.parent / "replay-out"
+    out = work / "replay-out"
     proc = sluiceway(cache, *replay_args(run_dir, out, "--replay-version", str(version)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out, proc
@@ -65,12 +74,12 @@ def replayed(stored):
 
 def test_table_version_to_step_batches(stored):
     run_dir, _, store, version = stored
-    latest = open_source(store, "stored")
+    latest = open_source(store, RUN)
     assert latest.steps == [0, 1] and latest.version == table_version(store, TRAJECTORIES)
-    source = open_source(store, "stored", version=version)
+    source = open_source(store, RUN, version=version)
     assert source.steps == [0]  # step 1 had not been written at that version
     [(step, samples)] = list(replay_batches(source, "grpo", True))
-    rows = read_trajectories(store, "stored", 0, version=version).to_pylist()
+    rows = read_trajectories(store, RUN, 0, version=version).to_pylist()
     assert step == 0 and len(samples) == len(rows) == BATCH * N
     # The stored engine log-probs travel with each sample (the behaviour policy); advantages are recomputed.
     assert [s.rollout_logprobs for s in samples] == [r["rollout_logprobs"] for r in rows]
@@ -81,7 +90,7 @@ def test_table_version_to_step_batches(stored):
     with pytest.raises(UserError, match="before the first commit"):
         resolve_version(store, timestamp=dt.datetime(2000, 1, 1))
     with pytest.raises(UserError, match="--replay-steps"):
-        open_source(store, "stored", version=version, steps=[1])
+        open_source(store, RUN, version=version, steps=[1])
 
 
 def test_replay_module_never_loads_the_engine_side():
@@ -118,7 +127,7 @@ def test_replay_resumes_and_keeps_its_version(stored, replayed):
     out, _ = replayed
     again = sluiceway(cache, *replay_args(run_dir, out))  # no version given: the pinned one, all steps done
     assert again.returncode == 0, again.stdout + again.stderr
-    assert "replay step" not in again.stdout and "replayed 0 steps (1 in stored" in again.stdout
+    assert "replay step" not in again.stdout and f"replayed 0 steps (1 in {RUN} @" in again.stdout
     latest = str(table_version(store, TRAJECTORIES))
     other = sluiceway(cache, *replay_args(run_dir, out, "--replay-version", latest))
     assert other.returncode == 2 and other.stderr.count("\n") == 1 and "use a new --output-dir" in other.stderr
@@ -129,12 +138,12 @@ def test_replay_resumes_and_keeps_its_version(stored, replayed):
     [
         (("--replay-version", "9999"), "error: --replay-version 9999: the trajectories table at"),
         (("--replay-run-id", "nope"), "error: --replay-run-id nope: no trajectories of that run"),
-        (("--replay-version", "0"), "error: replay: step 0 of run stored has unscored samples"),  # mid-step
+        (("--replay-version", "0"), f"error: replay: step 0 of run {RUN} has unscored samples"),  # mid-step
     ],
 )
-def test_replay_user_errors_are_one_line(stored, flags, message):
+def test_replay_user_errors_are_one_line(stored, flags, message, tmp_path):
     run_dir, cache, _, _ = stored
-    proc = sluiceway(cache, *replay_args(run_dir, run_dir.parent / "bad-replay"), *flags)
+    proc = sluiceway(cache, *replay_args(run_dir, tmp_path / "bad-replay"), *flags)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr
 
