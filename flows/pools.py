@@ -46,7 +46,7 @@ class _Spec(BaseModel):
 
 class PoolSpec(_Spec):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")  # and not "local" (the validator below), as runs read it
-    region: str = "local"
+    region: str = Field("local", max_length=128, pattern=r"^[^\x00-\x1f\x7f]*$")  # as runs check a record's
     model: str = Field(description="zoo name or HF model directory: what the engines start with")
     num_engines: int = Field(1, ge=1)
     weights_uri: str = Field(description="the weight store the agent polls: a local path or s3://bucket/prefix")

@@ -45,19 +45,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+from pydantic import ValidationError
 
 from sluiceway.storage.weights.checksums import checksums_problem
 from sluiceway.storage.weights.errors import WeightSyncError
 from sluiceway.storage.weights.materialize import local_version, materialize
-from sluiceway.storage.weights.pool_registry import (
-    DRAINING,
-    MAX_HEARTBEAT_S,
-    SERVING,
-    PoolRecord,
-    PoolRegistry,
-    name_problem,
-    url_problem,
-)
+from sluiceway.storage.weights.pool_registry import DRAINING, SERVING, PoolRecord, PoolRegistry, why_invalid
 from sluiceway.storage.weights.store import WeightStore
 
 log = logging.getLogger("sluiceway.pools")
@@ -80,12 +73,10 @@ class PoolAgent:
         drain_quiet_s: float = 3.0,
         drain_timeout_s: float = 600.0,
     ) -> None:
-        if (problem := name_problem(name)) is not None:  # runs would skip every record it wrote
-            raise ValueError(f"pool agent: {name!r} cannot name a pool: {problem}")
-        if not 0 < heartbeat_s <= MAX_HEARTBEAT_S:  # NaN too: runs skip a record whose heartbeat they cannot judge
-            raise ValueError(f"pool agent: heartbeat_s must be in (0, {MAX_HEARTBEAT_S:.0f}] s")
-        if url is not None and (problem := url_problem(url)) is not None:
-            raise ValueError(f"pool agent: pool {name}'s url is no router address: {problem}")
+        try:  # what runs check of every record it will write: refused here, not skipped by every run
+            PoolRecord(pool=name, region=region, url=url, capacity=capacity, heartbeat_s=heartbeat_s)
+        except ValidationError as exc:
+            raise ValueError(f"pool agent: runs would skip the records of pool {name!r} ({why_invalid(exc)})") from None
         self.name, self.region = name, region
         self.url, self.capacity = url, capacity  # what the registry tells runs: where to send requests, how many
         self.wstore = wstore

@@ -121,7 +121,7 @@ class _Skip(Exception):
         self.kind = kind
 
 
-def _why_invalid(exc: ValidationError) -> str:
+def why_invalid(exc: ValidationError) -> str:
     """The first problem of a record, without the value (a URL may carry credentials)."""
     err = exc.errors(include_url=False, include_input=False)[0]
     where = ".".join(str(p) for p in err["loc"])
@@ -363,7 +363,7 @@ def _parse(name: str, data: bytes) -> tuple[PoolRecord | None, str | None]:
     try:
         record = PoolRecord.model_validate_json(data, strict=True)
     except ValidationError as exc:
-        return None, _why_invalid(exc)
+        return None, why_invalid(exc)
     except (ValueError, RecursionError) as exc:  # not expected of pydantic's parser; never the run's end
         return None, type(exc).__name__
     if record.pool != name:

@@ -138,12 +138,14 @@ def test_an_agent_and_a_pools_file_refuse_what_runs_would_skip(tmp_path):
     from sluiceway.infra.errors import UserError
 
     wstore = WeightStore(ObjectStore.from_uri(str(tmp_path / "store")))
-    for bad in ({"name": "local"}, {"heartbeat_s": math.nan}, {"heartbeat_s": 1e9}, {"url": "http://[::1"}):
+    for bad in ({"name": "local"}, {"heartbeat_s": math.nan}, {"heartbeat_s": 1e9}, {"url": "http://[::1"},
+                {"region": "eu\n"}, {"capacity": 0}):  # fmt: skip
         kw = {"name": "east", "url": "http://lb:1"} | bad
         with pytest.raises(ValueError):
             PoolAgent(kw.pop("name"), wstore, [], tmp_path / "agent", **kw)
     path = tmp_path / "pools.yaml"
-    for bad in ("name: local", "name: east\n  url: 'http://[::1'", "name: east\n  heartbeat_s: .nan"):
+    for bad in ("name: local", "name: east\n  url: 'http://[::1'", "name: east\n  heartbeat_s: .nan",
+                "name: east\n  region: \"eu\\x1b[31m\""):  # fmt: skip
         path.write_text(f"pools:\n- {bad}\n  model: tiny-llama\n  weights_uri: {tmp_path / 'store'}\n")
         with pytest.raises(UserError):
             load_pools(path)
