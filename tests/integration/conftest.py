@@ -3,8 +3,12 @@ asks for it, instead of one identical run per module (the suite's budget, issue 
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
-from cli_run import run_cli
+from cli_run import cli_args, run_cli
 
 
 @pytest.fixture(scope="session")
@@ -17,3 +21,20 @@ def two_step_run(tmp_path_factory):
     run_cli(run_dir, cache, "--num-rollout", "2")
     return run_dir, cache
 
+
+@pytest.fixture(scope="session")
+def dp2_run(tmp_path_factory):
+    """`sluiceway run --num-rollout 2 --actor-num-gpus-per-node 2 --use-distributed-optimizer` with cli_run's
+    settings (a DP=2 torchrun group with the sharded optimizer), run with this machine's LAN address as hostname
+    where the kernel allows, every listening socket of its processes sampled until it ended
+    (test_loopback_sockets.run_sampling_sockets). test_distributed_optimizer.py checks its training and
+    checkpoint, test_loopback_sockets.py its sockets."""
+    from test_loopback_sockets import run_sampling_sockets
+
+    base = tmp_path_factory.mktemp("dp2-run")
+    run_dir = base / "run"
+    cmd = cli_args(run_dir, "--num-rollout", "2", "--actor-num-gpus-per-node", "2", "--use-distributed-optimizer")
+    env = dict(os.environ, SLUICEWAY_CACHE=str(base / "cache"))
+    returncode, sockets = run_sampling_sockets(cmd, env, base / "run")
+    stdout, stderr = (Path(f"{base / 'run'}.{name}").read_text() for name in ("stdout", "stderr"))
+    return SimpleNamespace(run_dir=run_dir, returncode=returncode, sockets=sockets, stdout=stdout, stderr=stderr)

@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-from cli_run import run_cli
 from safetensors.torch import load_file
 from trainer_group_helpers import batch, local_trainer, trainer_kwargs
 
@@ -167,13 +166,13 @@ def test_bf16_sharded_masters(tiny, tmp_path):
     assert group["bytes"] == pytest.approx(local.optimizer_state_bytes() / 2, rel=0.01)
 
 
-def test_cli_run_with_the_distributed_optimizer(tmp_path):
+def test_cli_run_with_the_distributed_optimizer(dp2_run):
     """`sluiceway run --actor-num-gpus-per-node 2 --use-distributed-optimizer`: a DP=2 group with the sharded
-    optimizer trains two steps and checkpoints in the unsharded layout, its digests recorded."""
-    run_dir = tmp_path / "run"
-    flags = ("--actor-num-gpus-per-node", "2", "--use-distributed-optimizer")
-    proc = run_cli(run_dir, tmp_path / "cache", "--num-rollout", "2", *flags)
-    assert "step   2/2  reward" in proc.stdout
+    optimizer trains two steps and checkpoints in the unsharded layout, its digests recorded. The session's run
+    (tests/integration/conftest.py), whose listening sockets test_loopback_sockets.py checks."""
+    run_dir = dp2_run.run_dir
+    assert dp2_run.returncode == 0, dp2_run.stdout + dp2_run.stderr
+    assert "step   2/2  reward" in dp2_run.stdout
     log = (run_dir / "trainer" / "trainer.log").read_text()
     assert log.count("trainer group ready: 2 ranks, tensor parallel 1, distributed optimizer") == 1
     ckpt = run_dir / "checkpoints" / "latest"

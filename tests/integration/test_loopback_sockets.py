@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import socket
 import subprocess
@@ -18,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_run import cli_args
 from process_tags import listening_sockets, process_tree
 
 from sluiceway.models.zoo import resolve_checkpoint
@@ -113,32 +111,37 @@ def test_trainer_group_listens_on_loopback_only(tmp_path):
     assert child.returncode == 0
 
 
-def test_every_socket_of_a_run_is_on_loopback(tmp_path):
+def run_sampling_sockets(cmd: list[str], env: dict, out: Path) -> tuple[int, dict[tuple[str, int], str]]:
+    """Run `cmd` (with the LAN hostname where the kernel allows), its processes' listening sockets sampled over and
+    over until it ends; its exit code and each socket seen with its process's command line. stdout and stderr go to
+    OUT.stdout and OUT.stderr (files, not pipes no one reads until the end)."""
+    with open(f"{out}.stdout", "w") as stdout, open(f"{out}.stderr", "w") as stderr:
+        run = subprocess.Popen(_with_lan_hostname(cmd), env=env, stdout=stdout, stderr=stderr)
+        seen: dict[tuple[str, int], str] = {}
+        hang_guard = time.monotonic() + 600  # as run_cli's
+        try:
+            while run.poll() is None and time.monotonic() < hang_guard:
+                for pid in process_tree(run.pid):  # not by an environment tag: the router's new title overwrites it
+                    try:
+                        found = listening_sockets(pid)
+                        name = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+                    except OSError:  # it ended meanwhile
+                        continue
+                    seen.update((s, name) for s in found)
+                time.sleep(0.2)
+        finally:
+            if run.poll() is None:
+                run.kill()  # its children die with it (infra/proc.py)
+            run.wait()
+    return run.returncode, seen
+
+
+def test_every_socket_of_a_run_is_on_loopback(dp2_run):
     """A whole short run (Prefect API server, router, engines, trainer group), its processes' listening sockets
-    sampled over and over until it ends."""
-    group = ("--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2")
-    cmd = cli_args(tmp_path / "run", "--num-rollout", "1", *group)
-    env = dict(os.environ, SLUICEWAY_CACHE=str(tmp_path / "cache"))
-    log = open(tmp_path / "run.log", "w")  # a file, not a pipe no one reads until the end
-    run = subprocess.Popen(_with_lan_hostname(cmd), env=env, stdout=log, stderr=subprocess.STDOUT)
-    seen: dict[tuple[str, int], str] = {}
-    hang_guard = time.monotonic() + 600  # as run_cli's
-    try:
-        while run.poll() is None and time.monotonic() < hang_guard:
-            for pid in process_tree(run.pid):  # not by an environment tag: the router's new title overwrites it
-                try:
-                    found = listening_sockets(pid)
-                    name = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
-                except OSError:  # it ended meanwhile
-                    continue
-                seen.update((s, name) for s in found)
-            time.sleep(0.2)
-    finally:
-        if run.poll() is None:
-            run.kill()  # its children die with it (infra/proc.py)
-        run.wait()
-        log.close()
-    assert run.returncode == 0, (tmp_path / "run.log").read_text()
+    sampled over and over until it ends: the session's DP=2 run (tests/integration/conftest.py), whose training
+    test_distributed_optimizer.py checks."""
+    seen = dp2_run.sockets
+    assert dp2_run.returncode == 0, dp2_run.stdout + dp2_run.stderr
     assert [s for s in seen if s[0] not in LOOPBACK] == [], seen
     names = " ".join(seen.values())
     # Prefect's API, the router (it renames itself sglang::router), an engine, the agent, the ranks
