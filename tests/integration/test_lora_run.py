@@ -54,7 +54,9 @@ def test_lora_run_publishes_adapter_versions(tmp_path):
     assert wstore.manifest(3).data_size < 0.2 * full_bytes
 
 
-@pytest.mark.parametrize("kl", [False, True], ids=["plain", "kl"])
+# "plain" is behind slow (make test-all runs it): every assertion it makes, the kl run makes too on a run that
+# differs only by --use-kl-loss, and LoRA training without the KL loss is test_lora_run_publishes_adapter_versions.
+@pytest.mark.parametrize("kl", [pytest.param(False, marks=pytest.mark.slow), True], ids=["plain", "kl"])
 def test_lora_sync_merged_publishes_full_weights(tmp_path, kl):
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
     extra = ("--use-kl-loss", "--kl-loss-coef", "0.1") if kl else ()
