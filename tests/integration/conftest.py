@@ -23,7 +23,7 @@ def two_step_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def dp2_run(tmp_path_factory):
+def dp2_cli_run(tmp_path_factory):
     """`sluiceway run --num-rollout 2 --actor-num-gpus-per-node 2 --use-distributed-optimizer` with cli_run's
     settings (a DP=2 torchrun group with the sharded optimizer), run with this machine's LAN address as hostname
     where the kernel allows, every listening socket of its processes sampled until it ended

@@ -166,13 +166,13 @@ def test_bf16_sharded_masters(tiny, tmp_path):
     assert group["bytes"] == pytest.approx(local.optimizer_state_bytes() / 2, rel=0.01)
 
 
-def test_cli_run_with_the_distributed_optimizer(dp2_run):
+def test_cli_run_with_the_distributed_optimizer(dp2_cli_run):
     """`sluiceway run --actor-num-gpus-per-node 2 --use-distributed-optimizer`: a DP=2 group with the sharded
     optimizer trains two steps and checkpoints in the unsharded layout, its digests recorded. The session's run
     (tests/integration/conftest.py), whose listening sockets test_loopback_sockets.py checks."""
-    run_dir = dp2_run.run_dir
-    assert dp2_run.returncode == 0, dp2_run.stdout + dp2_run.stderr
-    assert "step   2/2  reward" in dp2_run.stdout
+    run_dir = dp2_cli_run.run_dir
+    assert dp2_cli_run.returncode == 0, dp2_cli_run.stdout + dp2_cli_run.stderr
+    assert "step   2/2  reward" in dp2_cli_run.stdout
     log = (run_dir / "trainer" / "trainer.log").read_text()
     assert log.count("trainer group ready: 2 ranks, tensor parallel 1, distributed optimizer") == 1
     ckpt = run_dir / "checkpoints" / "latest"

@@ -136,12 +136,12 @@ def run_sampling_sockets(cmd: list[str], env: dict, out: Path) -> tuple[int, dic
     return run.returncode, seen
 
 
-def test_every_socket_of_a_run_is_on_loopback(dp2_run):
+def test_every_socket_of_a_run_is_on_loopback(dp2_cli_run):
     """A whole short run (Prefect API server, router, engines, trainer group), its processes' listening sockets
     sampled over and over until it ends: the session's DP=2 run (tests/integration/conftest.py), whose training
     test_distributed_optimizer.py checks."""
-    seen = dp2_run.sockets
-    assert dp2_run.returncode == 0, dp2_run.stdout + dp2_run.stderr
+    seen = dp2_cli_run.sockets
+    assert dp2_cli_run.returncode == 0, dp2_cli_run.stdout + dp2_cli_run.stderr
     assert [s for s in seen if s[0] not in LOOPBACK] == [], seen
     names = " ".join(seen.values())
     # Prefect's API, the router (it renames itself sglang::router), an engine, the agent, the ranks
