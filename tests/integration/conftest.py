@@ -4,11 +4,44 @@ asks for it, instead of one identical run per module (the suite's budget, issue 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from cli_run import cli_args, run_cli
+
+
+@pytest.fixture(scope="session")
+def warm_cache(tmp_path_factory) -> Path:
+    """A sluiceway cache made once per session, from nothing (as on a new machine): tiny-llama built, this CPU's
+    precision probe, and the migrated Prefect database every new run directory starts from. Made by a child process
+    with the session's environment (the AVX2-only pass probes under its own limits)."""
+    warm = tmp_path_factory.mktemp("warm-cache")
+    home = tmp_path_factory.mktemp("warm-prefect-home")
+    code = (
+        "from pathlib import Path; import sys\n"
+        "from sluiceway.models.zoo import resolve_checkpoint; resolve_checkpoint('tiny-llama')\n"
+        "from sluiceway.infra import precision; precision.probe_cpu()\n"
+        "from sluiceway.infra.prefect_env import start_api_server; start_api_server(Path(sys.argv[1]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")} | {"SLUICEWAY_CACHE": str(warm)}
+    subprocess.run([sys.executable, "-c", code, str(home)], env=env, check=True, timeout=600, capture_output=True)
+    assert list((warm / "prefect").glob("template-*.db")), "the Prefect template database was not made"
+    return warm
+
+
+@pytest.fixture(autouse=True)
+def _seeded_cache(request, tmp_path, warm_cache):
+    """Every integration test's `tmp_path / "cache"` (the cache its runs use) starts as a copy of the session's
+    warm cache: a fresh cache cost each of some 30 runs about 9 s of CPU (the Prefect database's migration, the
+    tiny-llama build; the suite's budget, issue 39 point 6). A test that checks first use on an empty cache says
+    so with `@pytest.mark.cold_cache`; `make test` runs with an empty HOME, so the session's first build is a first
+    use too."""
+    if request.node.get_closest_marker("cold_cache") is None:
+        shutil.copytree(warm_cache, tmp_path / "cache")
 
 
 @pytest.fixture(scope="session")

@@ -170,6 +170,7 @@ def test_tables_on_s3(tmp_path, s3_server):
     assert s3_server.secret_key.encode() not in db and s3_server.access_key.encode() not in db
 
 
+@pytest.mark.cold_cache  # it checks the first-use build of tiny-llama
 def test_adaptive_difficulty_over_an_environment_mixture(tmp_path):
     """Prompts made per step by the curriculum, scored by each environment's own verifier (--rm-type env)."""
     run_dir = tmp_path / "run"

@@ -56,8 +56,8 @@ def test_a_record_cut_short_is_named_damaged_and_resume_starts_nothing(tmp_path,
     path = save_run_record(config(tmp_path / "a", seed=1), "run")
     text = path.read_bytes()
     assert path.read_text().rstrip().splitlines()[-1].startswith("digest: sha256:")  # written last
-    for damage in (lambda: _cut(path, "  lr:"), lambda: path.write_text(path.read_text()[:-20]), lambda: path.write_text(""),
-                   lambda: path.write_bytes(b"\x00\xff\x13garbage"),
+    for damage in (lambda: _cut(path, "  lr:"), lambda: path.write_text(path.read_text()[:-20]),
+                   lambda: path.write_text(""), lambda: path.write_bytes(b"\x00\xff\x13garbage"),
                    lambda: path.write_text(path.read_text().replace("seed: 1", "seed: 2"))):  # fmt: skip
         path.write_bytes(text)
         damage()
