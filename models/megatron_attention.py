@@ -9,7 +9,6 @@ sequences take an explicit product (`_explicit_causal_attention`) that gives the
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import torch
@@ -17,10 +16,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from sluiceway.models.batch_invariant import masked_attention
+from sluiceway.models.megatron_import import megatron_import
 
-with warnings.catch_warnings():
-    # megatron warns at import that Apex / Transformer Engine are absent; that is the expected CPU setup.
-    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed", category=UserWarning)
+with megatron_import():  # quiet, and torch.compile deferred (models/megatron_import.py)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType

@@ -31,10 +31,9 @@ from torch import Tensor
 from sluiceway.infra.proc import loopback_collectives, loopback_store
 from sluiceway.models.fused_logprobs import compiled_on, linear_token_logprob_entropy, token_logprob_entropy
 from sluiceway.models.megatron_attention import cpu_layer_spec
+from sluiceway.models.megatron_import import megatron_import
 
-with warnings.catch_warnings():
-    # megatron warns at import that Apex / Transformer Engine are absent; that is the expected CPU setup.
-    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed", category=UserWarning)
+with megatron_import():  # quiet, and torch.compile deferred (models/megatron_import.py)
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.models.gpt import GPTModel

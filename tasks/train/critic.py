@@ -12,11 +12,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from megatron.core import parallel_state
 
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
 from sluiceway.models.hf_megatron import hf_to_megatron
-from sluiceway.models.megatron_gpt import allreduce_gradients, recompute_overrides
+from sluiceway.models.megatron_gpt import allreduce_gradients, parallel_state, recompute_overrides
 from sluiceway.models.value_model import build_value_model, init_value_head, token_values
 from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS, ValueTargets
 from sluiceway.tasks.train.losses import value_objective

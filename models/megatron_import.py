@@ -1,0 +1,58 @@
+"""Importing megatron-core: quietly, and without paying for torch's compiler at import.
+
+megatron-core decorates about 40 fused functions with `torch.compile` when its modules are imported
+(megatron/core/jit.py `jit_fuser`). Wrapping a function does not compile anything, but the first wrap imports
+torch's whole compiler stack (dynamo, inductor, functorch): 1.5-2 s of CPU in every process that imports
+megatron (the CLI's process, each torchrun rank) on the 2-core machines, for functions the CPU path never calls
+(models/megatron_gpt.py turns the fusions on only on GPUs where compiling works). While megatron is imported
+here, `torch.compile(fn)` returns a wrapper that calls the real `torch.compile(fn, ...)` on its first call:
+compiling happens at first call either way, so what runs is unchanged; only the import is deferred.
+
+Import megatron through `megatron_import()` in modules that import it at load time (models/megatron_attention.py
+first, so any later import finds it loaded).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+
+def _deferred_compile(real: Callable[..., Any]) -> Callable[..., Any]:
+    """`torch.compile`'s calling forms (`compile(fn, **kw)` and `compile(**kw)(fn)`), compiling at first call."""
+
+    def compile_later(model: Any = None, **kwargs: Any) -> Any:
+        if model is None:  # used as @torch.compile(...): the function comes next
+            return lambda fn: compile_later(fn, **kwargs)
+        if not callable(model) or isinstance(model, torch.nn.Module):
+            return real(model, **kwargs)  # modules are compiled as they are (megatron wraps functions only)
+        compiled: list[Callable[..., Any]] = []
+
+        @functools.wraps(model)
+        def call(*args: Any, **kw: Any) -> Any:
+            if not compiled:
+                compiled.append(real(model, **kwargs))
+            return compiled[0](*args, **kw)
+
+        return call
+
+    return compile_later
+
+
+@contextmanager
+def megatron_import() -> Iterator[None]:
+    """The block that imports megatron: its Apex / Transformer Engine warnings (the expected CPU setup) hidden,
+    and `torch.compile` deferred to first call while its modules decorate their functions."""
+    real = torch.compile
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed", category=UserWarning)
+        torch.compile = _deferred_compile(real)
+        try:
+            yield
+        finally:
+            torch.compile = real
