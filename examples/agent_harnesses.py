@@ -26,9 +26,7 @@ OpenAI's API) ends the session there: the turns it had are the sample.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -235,13 +233,11 @@ def anthropic_stream(base_url: str, api_key: str, prompt: dict) -> float:
 # ------------------------------------------------------------------------------------------ a black box
 def _blackbox(base_url: str, api_key: str, prompt: dict, api: str) -> float:
     """A separate process that knows nothing of sluiceway, configured only through its environment (as coding
-    agents are run); its last line of output is its answer."""
-    from sluiceway.tasks.rollout.agent.proxy import agent_env
+    agents are run); its last line of output is its answer. `run_harness` starts it in namespaces of its own, where
+    no other session's harness can read its key (docs/agents.md, Security)."""
+    from sluiceway.tasks.rollout.agent.harness import run_harness
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "ANTHROPIC_"))}
-    env.update(agent_env(base_url, api_key))
-    proc = subprocess.run([sys.executable, str(BLACKBOX), api], input=question(prompt), capture_output=True,
-                          text=True, env=env, timeout=600)  # fmt: skip
+    proc = run_harness([sys.executable, str(BLACKBOX), api], base_url, api_key, input=question(prompt))
     if proc.returncode != 0:
         raise RuntimeError(f"{BLACKBOX.name} {api} exited {proc.returncode}: {proc.stderr[-1000:]}")
     lines = proc.stdout.strip().splitlines()
