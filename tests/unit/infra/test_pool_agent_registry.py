@@ -43,7 +43,7 @@ def agent(tmp_path, **kw) -> tuple[Scripted, PoolRegistry, WeightStore]:
 
 
 def test_it_registers_before_it_downloads_then_beats(tmp_path):
-    a, registry, _ = agent(tmp_path, heartbeat_s=0.05)
+    a, registry, _ = agent(tmp_path, heartbeat_s=30.0)  # long: a loaded machine's slow poll is not "due"
     registry.request_drain("east")  # left by an earlier pool of this name: not for this one
     seen_while_fetching = []
     fetch = a._fetch
@@ -56,7 +56,8 @@ def test_it_registers_before_it_downloads_then_beats(tmp_path):
     assert not registry.drain_requested("east") and a.state == "serving"
     a.poll_once()
     assert registry.records()["east"].beat == 2  # nothing changed, heartbeat not due: no write
-    time.sleep(0.06)
+    status, at = a._reported
+    a._reported = (status, at - 30.0)  # the heartbeat falls due (as 30 s later), without sleeping
     a.poll_once()
     assert registry.records()["east"].beat == 3
 
