@@ -56,6 +56,10 @@ class SamplingParams:
     ignore_eos: bool = False
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
+    # A detokenizer option, passed to the tokenizer's decode as SGLang does: transformers 4's slow tokenizers read
+    # it (to join kept special tokens with spaces); fast ones, which the zoo's models load, and every tokenizer under
+    # transformers 5 ignore it, so it changes no text here (nor in SGLang with a fast tokenizer).
+    spaces_between_special_tokens: bool = True
     sampling_seed: int | None = None
 
     def validate(self, vocab_size: int) -> None:
@@ -99,6 +103,7 @@ class GenerateOutput:
     weight_version: str
     text: str | None = None  # None when the engine has no tokenizer
     e2e_latency: float = 0.0
+    cached_tokens: int = 0  # prompt tokens whose KV was copied from another request's (SGLang's prefix-cache hit)
 
 
 @dataclass
@@ -157,6 +162,7 @@ class _Seq:
     out_lps: list[float] = field(default_factory=list)
     finish: dict[str, Any] | None = None
     streamed: int = 0
+    cached_tokens: int = 0
     # The next-token logits at the prompt's end (fp32 [vocab]): a later request with the same prompt copies the
     # prompt's KV from this row's slot and samples its first token from these, without a prefill of its own.
     prompt_logits: torch.Tensor | None = None
@@ -559,6 +565,7 @@ class Engine:
             src_slot, src = have[tuple(s.req.input_ids)]
             self.cache.move(src_slot, base + len(fresh) + j, len(s.req.input_ids))
             s.prompt_logits = src.prompt_logits
+            s.cached_tokens = len(s.req.input_ids)
             self.stats["shared_prefill_tokens"] += len(s.req.input_ids)
         ordered = fresh + repeats
         self._sample_and_append(ordered, torch.stack([s.prompt_logits for s in ordered]))
@@ -666,11 +673,19 @@ class Engine:
             weight_version=self.weight_version,
             text=self._text(s),
             e2e_latency=time.perf_counter() - s.t0,
+            cached_tokens=s.cached_tokens,
         )
         s.handle._emit(StreamChunk(s.req.rid, s.out_ids[s.streamed :], s.out_lps[s.streamed :], output=out))
         s.streamed = len(s.out_ids)
         if not s.handle.future.done():
             s.handle.future.set_result(out)
+
+    def decode(self, ids: list[int], sp: SamplingParams) -> str:
+        """`ids` as text under the request's detokenizer options (SGLang's skip_special_tokens and
+        spaces_between_special_tokens; the latter is passed only when off, so a tokenizer that lacks it is not
+        handed an unknown argument at the default)."""
+        extra = {} if sp.spaces_between_special_tokens else {"spaces_between_special_tokens": False}
+        return self.tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens, **extra)
 
     def _text(self, s: _Seq) -> str | None:
         """Decoded output; a matched stop string or stop token is trimmed unless no_stop_trim (as SGLang)."""
@@ -681,7 +696,7 @@ class Engine:
         fin = s.finish or {}
         if fin.get("type") == "stop" and isinstance(fin.get("matched"), int) and not sp.no_stop_trim:
             ids = ids[:-1]
-        text = self.tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
+        text = self.decode(ids, sp)
         if fin.get("type") == "stop" and isinstance(fin.get("matched"), str) and not sp.no_stop_trim:
             cut = text.find(fin["matched"])
             if cut >= 0:

@@ -23,8 +23,14 @@ _SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
     "ignore_eos": (bool,),
     "no_stop_trim": (bool,),
     "skip_special_tokens": (bool,),
+    "spaces_between_special_tokens": (bool,),
     "sampling_seed": (int,),
 }
+# SGLang sampling fields accepted (type-checked) and ignored. custom_params only reaches a custom logit processor,
+# and this engine runs none (a request naming one is refused, server.py): so SGLang too ignores it without one.
+# slime sends {"return_top_p_token_ids": true} when its top_p != 1, which only slime's patched SGLang answers
+# (meta_info.top_p_token_ids); neither this engine nor upstream SGLang returns those.
+_SAMPLING_IGNORED: dict[str, tuple[type, ...]] = {"custom_params": (dict,)}
 # SGLang sampling fields accepted only at their default (the value that means "off").
 _SAMPLING_DEFAULT_ONLY: dict[str, Any] = {
     "frequency_penalty": 0.0,
@@ -38,8 +44,6 @@ _SAMPLING_DEFAULT_ONLY: dict[str, Any] = {
     "structural_tag": None,
     "stop_regex": None,
     "logit_bias": None,
-    "custom_params": None,
-    "spaces_between_special_tokens": True,
     "stream_interval": None,
 }
 # Top-level /generate fields: handled, or accepted when they ask for nothing this engine lacks.
@@ -70,6 +74,7 @@ GENERATE_DEFAULT_ONLY: dict[str, Any] = {
     "routed_dp_rank": None,
     "priority": None,
     "return_entropy": False,
+    "return_routed_experts": False,  # slime's MoE routing replay; this engine serves dense models only
     "background": False,
     "no_logs": False,
     "extra_key": None,
@@ -143,15 +148,16 @@ def parse_sampling_params(d: Any, where: str = "sampling_params") -> SamplingPar
             if v is not None and v != default and not (k in ("stop_regex",) and v in ([], "")):
                 raise BadRequest(f"{where}.{k}={v!r} is not supported by the embedded engine (only {default!r})")
             continue
-        if k not in _SAMPLING_FIELDS:
-            known = ", ".join(sorted(_SAMPLING_FIELDS))
+        if k not in _SAMPLING_FIELDS and k not in _SAMPLING_IGNORED:
+            known = ", ".join(sorted(_SAMPLING_FIELDS | _SAMPLING_IGNORED))
             raise BadRequest(f"{where}: unknown field {k!r} (supported: {known})")
         if v is None:
             continue  # SGLang treats null as "use the default"
-        types = _SAMPLING_FIELDS[k]
+        types = _SAMPLING_FIELDS.get(k) or _SAMPLING_IGNORED[k]
         if bool not in types and isinstance(v, bool) or not isinstance(v, types):
             raise BadRequest(f"{where}.{k} must be {' or '.join(t.__name__ for t in types)}, got {v!r}")
-        kwargs[k] = v
+        if k in _SAMPLING_FIELDS:
+            kwargs[k] = v
     if isinstance(kwargs.get("stop"), str):
         kwargs["stop"] = [kwargs["stop"]]
     for k in ("stop", "stop_token_ids"):

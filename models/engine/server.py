@@ -13,7 +13,8 @@ SGLang streams by default; `return_logprob` with `logprob_start_len` adds `meta_
 Differences, on purpose: `/pause_generation` defaults to mode "in_place" (requests keep their KV cache and
 resume on `/continue_generation`; "abort" aborts them first); LoRA adapters are merged into the weights, one at a
 time: every loaded name is served by the newest adapter (SGLang serves each its own until unloaded); sampling
-fields SGLang knows but this engine does not implement are accepted only at their defaults; any input the engine
+fields SGLang knows but this engine does not implement are accepted only at their defaults (`custom_params`
+is accepted and ignored: no custom logit processor runs here; requests.py); any input the engine
 cannot honour is a 400 with one message, numbers outside SGLang's ranges and bodies that are not UTF-8 JSON
 objects of valid text included (a Content-Type other than JSON is a 415). Added: a /generate pinned to weight
 versions (``min_weight_version``/``max_weight_version``, infra/weight_pin.py) that this engine does not serve is
@@ -115,6 +116,12 @@ class EngineServer:
         for k, v in body.items():
             if k in GENERATE_FIELDS:
                 continue
+            if k == "custom_logit_processor" and v is not None:
+                # Its own message: custom_params (this processor's argument) is accepted, so say nothing reads it.
+                raise BadRequest(
+                    "custom_logit_processor is not supported by the embedded engine: it runs no custom logit "
+                    "processor (sampling_params.custom_params is accepted and ignored without one)"
+                )
             if k in GENERATE_DEFAULT_ONLY:
                 if v is not None and v != GENERATE_DEFAULT_ONLY[k]:
                     raise BadRequest(f"{k}={v!r} is not supported by the embedded engine")
@@ -217,7 +224,7 @@ class EngineServer:
             "finish_reason": out.finish_reason if out is not None else None,
             "prompt_tokens": prompt_tokens,
             "completion_tokens": len(ids),
-            "cached_tokens": 0,
+            "cached_tokens": out.cached_tokens if out is not None else 0,
             "weight_version": out.weight_version if out is not None else self.engine.weight_version,
             "e2e_latency": time.perf_counter() - t0,
         }
@@ -306,7 +313,7 @@ class EngineServer:
                         left -= 1
                         text = out.text or ""
                     else:
-                        text = self.tokenizer.decode(ids[i], skip_special_tokens=True) if self.tokenizer else ""
+                        text = self.engine.decode(ids[i], reqs[i].sampling) if self.tokenizer else ""
                     item = {
                         "text": text,
                         "output_ids": list(ids[i]),
