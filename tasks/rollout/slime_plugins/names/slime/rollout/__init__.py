@@ -1,0 +1,1 @@
+"""slime.rollout: GenerateState, the default generate and the reward hub (mirrors slime's slime/rollout/)."""

@@ -1,0 +1,1 @@
+"""slime.utils: the helpers slime's plugins import (mirrors slime's slime/utils/, which has no exports of its own)."""
