@@ -84,11 +84,35 @@ def check_plugin_file(path: str | None, flag: str) -> None:
             raise UserError(f"{flag} {path}: cannot read {file} ({e})") from None
 
 
+def check_conventions(cfg: RunConfig) -> None:
+    """Each custom function imports and its calling convention, slime's or sluiceway's, is told (by its signature
+    or --plugin-convention): a function that cannot be told is one line here, before any engine starts, rather than
+    a call with the wrong arguments mid-rollout (tasks/rollout/slime_plugins/convention.py). Imports the functions'
+    modules, so only when there are some."""
+    r, rw = cfg.rollout, cfg.reward
+    hooks = [(r.custom_generate_function_path, "--custom-generate-function-path", "generate"),
+             (rw.custom_rm_path, "--custom-rm-path", "group_rm" if rw.group_rm else "rm")]  # fmt: skip
+    if r.dynamic_sampling_filter_path not in (None, "zero_std", "truncated"):
+        hooks.append((r.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path", "filter"))
+    hooks = [h for h in hooks if h[0]]
+    if not hooks:
+        return
+    from sluiceway.tasks.rollout.slime_plugins.convention import SLIME, convention_of, load_plugin
+
+    for path, flag, hook in hooks:
+        convention = convention_of(load_plugin(path, flag), hook, r.plugin_convention, path)
+        if hook == "generate" and convention == SLIME and r.rollout_top_p != 1.0:
+            raise UserError(f"{flag} {path}: slime's GenerateState asks for top-p replay with --rollout-top-p "
+                            f"{r.rollout_top_p}, which the engines here do not return; "
+                            "use --rollout-top-p 1")  # fmt: skip
+
+
 def engine_max_total_len(cfg: RunConfig) -> int:
     """Tokens per sequence the engines are sized for (each embedded engine's KV cache holds this many per
     request): the longest prompt plus the longest response, of training or of evaluation."""
     r = cfg.rollout
-    return r.rollout_max_prompt_len + max(r.rollout_max_response_len, cfg.eval.eval_max_response_len or 0)
+    total = r.rollout_max_prompt_len + max(r.rollout_max_response_len, cfg.eval.eval_max_response_len or 0)
+    return max(total, r.rollout_max_context_len or 0)  # slime-style plugins may fill the whole context
 
 
 def model_config(name_or_dir: str) -> dict | None:
@@ -163,6 +187,7 @@ def preflight(cfg: RunConfig, command: str) -> None:
     check_plugin_file(cfg.reward.custom_rm_path, "--custom-rm-path")
     check_plugin_file(cfg.rollout.custom_generate_function_path, "--custom-generate-function-path")
     check_plugin_file(cfg.rollout.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
+    check_conventions(cfg)
     hf = model_config(cfg.training.hf_checkpoint)  # last: a zoo name imports torch
     if hf is not None and command in ("run", "eval"):  # the commands that start engines
         check_lengths(cfg, hf)

@@ -30,6 +30,7 @@ from sluiceway.tasks.reward.score import RewardSettings
 from sluiceway.tasks.reward.settings import build_reward_settings
 from sluiceway.tasks.rollout.prompts import build_rollout_settings, load_dataset, load_eval_prompts, render_items
 from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings
+from sluiceway.tasks.rollout.slime_plugins.args import shared_args
 from sluiceway.tasks.sync.disk import settle_versions
 from sluiceway.tasks.sync.publish import sync_due, sync_weights, weight_publisher
 from sluiceway.tasks.train.remote import RemoteTrainer
@@ -59,13 +60,14 @@ def prepare(cfg: RunConfig) -> Prepared:
     check_device(cfg)
     store = open_store(cfg)
     reward_settings = build_reward_settings(cfg)
-    rollout_filter = None
-    if cfg.rollout.dynamic_sampling_filter_path:
-        rollout_filter = scoring_filter(reward_settings, [user_filter(cfg.rollout.dynamic_sampling_filter_path)])
     rows = load_dataset(cfg, store, cfg.data.prompt_data, cfg.data.env_size, cfg.training.seed)
     if len(rows) == 0:
         raise UserError(f"--prompt-data {cfg.data.prompt_data}: no prompts")
     hf_dir = resolve_checkpoint(cfg.training.hf_checkpoint)
+    rollout_filter = None
+    if (path := cfg.rollout.dynamic_sampling_filter_path) is not None:
+        dynamic = user_filter(path, cfg.rollout.plugin_convention, lambda: shared_args(cfg, hf_dir))
+        rollout_filter = scoring_filter(reward_settings, [dynamic])
     tokenizer = load_tokenizer(hf_dir)
     prompts = render_items(cfg, tokenizer, rows)
     eval_prompts = load_eval_prompts(cfg, store, tokenizer) if cfg.eval.eval_interval else {}

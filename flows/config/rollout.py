@@ -44,6 +44,25 @@ class RolloutConfig(Group):
         description="'module:fn' or 'file.py:fn': an async function driving multi-turn generation "
         "(see tasks/rollout/multiturn.py).",
     )
+    plugin_convention: Literal["auto", "slime", "sluiceway"] = Field(
+        "auto",
+        description="Which calling convention the custom functions (--custom-generate-function-path, "
+        "--custom-rm-path, --dynamic-sampling-filter-path) speak: slime's (args, sample, ...) or sluiceway's "
+        "(see docs/slime.md). auto: told from each function's signature; one the signature cannot tell (*args, "
+        "unfamiliar names) is an error asking for this setting.",
+    )
+    rollout_max_context_len: int | None = Field(
+        None,
+        ge=2,
+        description="slime's context cap: prompt and response together. Custom generate functions in slime's style "
+        "read it (args.rollout_max_context_len) to cap each turn; prompts must be shorter "
+        "(rollout_max_prompt_len <= this - 1), and the embedded engines are sized to hold it.",
+    )
+    custom_config_path: str | None = Field(
+        None,
+        description="slime's --custom-config-path: a YAML whose top-level keys become attributes of the `args` "
+        "that slime-style custom functions receive (slime's semantics: set or overridden, values as YAML gives them).",
+    )
     agent_function_path: str | None = Field(
         None,
         description="'module:fn' or 'file.py:fn': your agent, fn(base_url, api_key, prompt) (sync or async), run "
@@ -120,6 +139,10 @@ class RolloutConfig(Group):
             raise ValueError("agent_function_path and custom_generate_function_path both replace the generate")
         if self.partial_rollout and self.agent_function_path:
             raise ValueError("partial_rollout cannot continue agent sessions: use one or the other")
+        context = self.rollout_max_context_len
+        if context is not None and self.rollout_max_prompt_len > context - 1:
+            raise ValueError(f"rollout_max_prompt_len ({self.rollout_max_prompt_len}) must be <= "
+                             f"rollout_max_context_len - 1 ({context - 1}), as in slime")  # fmt: skip
         self.remote_pools  # noqa: B018 - parses and checks each NAME=URL, auto or registry URI
         if self.rollout_num_gpus is not None and self.rollout_num_gpus % self.rollout_num_gpus_per_engine:
             raise ValueError(f"rollout_num_gpus ({self.rollout_num_gpus}) must be a multiple of "

@@ -3,6 +3,8 @@ it current), and the table's rows for docs/configuration.md's last section."""
 
 from __future__ import annotations
 
+import textwrap
+
 from sluiceway.flows.slime.flag_table import SLIME_FLAGS
 from sluiceway.flows.slime.translate import SLIME_DEFAULTS
 from sluiceway.flows.slime.treatments import ARCHITECTURE, IMPLEMENTED, MAPPED, NOT_APPLICABLE, REFUSED, SLIME_COMMIT
@@ -25,6 +27,51 @@ def render_table() -> list[str]:
             flag, note = row[2:].split(" | ", 1)
             lines.append(f"| {flag} | {kind} | {note}")
     return lines
+
+
+_PLUGINS_0 = (
+    "Which convention a function speaks is told from its signature (a generate's parameter names: `args, "
+    "sample` or `ctx, prompt`; the others' number of positional arguments). One the signature cannot tell "
+    "(`*args`, other names) stops the run before anything starts with one line naming the function and "
+    "both signatures; `--plugin-convention slime|sluiceway` then decides."
+)
+
+_PLUGINS_1 = (
+    "A slime generate gets a `Sample` built as slime's dataset builds it (`prompt` the rendered text with "
+    "`--apply-chat-template`, else the dataset's prompt; `label`, `metadata`, `index`, `group_index`, "
+    "status PENDING) and `GenerateState(args).sampling_params` with the run's per-sample seed as "
+    "`sampling_seed`; `evaluation` only when it has that parameter; `sample.generate_function_path` is "
+    "honoured. It posts to the run's router (`args.sglang_router_ip/port`). The returned Sample is the "
+    "trajectory row: prompt `tokens[:-response_length]`, the response the rest, its `loss_mask` and "
+    "`rollout_log_probs`, status as the finish reason (completed stop, truncated length, aborted abort, "
+    "anything else a failure), weight versions as integers, a reward it set stored; a dict reward is "
+    "stored whole (`reward_details.slime_reward`) and `--reward-key` picks the trained number; "
+    "`remove_sample` zeroes the row's loss mask; `teacher_log_probs` fill the row's teacher log-probs; "
+    "every other field and any attribute the plugin set is in the row's `metadata` under `slime_sample`, "
+    "and the reward function and the filter get that same Sample back. Lengths that disagree make that "
+    "sample a failed row with the reason (`metadata.failure_reason`), not a crash. A list of Samples (one "
+    "prompt fanned out, slime's multi_agent) is refused with one line: a group here is "
+    "`--n-samples-per-prompt` rows. `--rm-type` names only slime's rm_hub has (`boxed_*`, `remote_rm`, "
+    "`random`) are graded by it."
+)
+
+_PLUGINS_2 = (
+    "`args` is an argparse.Namespace with slime's name for every flag (the config fields, and slime's "
+    "other flags at their mapped value or slime's default), plus what plugins read: "
+    "`sglang_router_ip`/`sglang_router_port`, `hf_checkpoint` (the model's local directory), "
+    "`rollout_max_context_len` (a config field: prompts must be shorter; the engines are sized to hold "
+    "it), `rollout_num_engines`, `sglang_server_concurrency`, `rollout_seed`, `rollout_top_k` -1 and the "
+    "stop settings at slime's defaults. `--custom-config-path FILE.yaml` sets each top-level key on it, "
+    "as slime does. The `slime` modules plugins import are provided when no real slime is installed: "
+    "`slime.utils.types` (`Sample`, `Status`), `slime.utils.http_utils` (`post`, `init_http_client`), "
+    "`slime.utils.misc` (`load_function`, `SingletonMeta`), `slime.utils.processing_utils` "
+    "(`load_tokenizer`), `slime.rollout.sglang_rollout` (`GenerateState`, `generate`, `generate_and_rm`), "
+    "`slime.rollout.rm_hub` (`async_rm`, `batched_async_rm`) and `slime.rollout.filter_hub` "
+    "(`DynamicFilterOutput`, `check_reward_nonzero_std`). slime's top-p replay is not: a slime generate "
+    "needs `--rollout-top-p 1`. slime's other hooks (the refused table: reward post-processing, sample "
+    "and buffer filters, data sources, log functions, the trainer-side losses and hooks) are one line "
+    "each, before any engine starts."
+)
 
 
 def render_markdown() -> str:
@@ -82,11 +129,28 @@ def render_markdown() -> str:
         "in file order without `--rollout-shuffle` (sluiceway shuffles each epoch), and Megatron's dropout 0.1",
         "without `--attention-dropout 0.0 --hidden-dropout 0.0` (sluiceway trains without dropout).",
         "",
-        "Custom functions: `--custom-generate-function-path` and `--custom-rm-path` are sluiceway fields, but the",
-        "functions slime's examples name (`generate_with_search.generate`, slime's dotted form) take slime's",
-        "`(args, Sample, ...)` and import slime; they are not run as they are. Port them to sluiceway's",
-        "interfaces (tasks/rollout/multiturn.py; a scorer is `fn(response, label, sample)`) and pass",
-        "`module:function`; a slime-style dotted path stops the run with one line saying so.",
+        "## slime's plugins",
+        "",
+        "The Python a slime project writes runs as it is (tasks/rollout/slime_plugins/). These hooks take slime's",
+        "function, named by slime's dotted `module.function` (resolved as slime's `load_function` does, with the",
+        "current directory and, under `--from-slime-script`, the script's own directory importable, as slime's",
+        "scripts set PYTHONPATH) or by sluiceway's `module:function` / `file.py:function`:",
+        "",
+        "| hook | slime's function, called as slime calls it | sluiceway's function |",
+        "| --- | --- | --- |",
+        "| `--custom-generate-function-path` | `async generate(args, sample, sampling_params[, evaluation])` "
+        "-> `Sample` "
+        "| `async generate(ctx, prompt, params)` (tasks/rollout/multiturn.py) |",
+        "| `--custom-rm-path` | `async rm(args, sample)`; with `--group-rm` `rm(args, samples)` "
+        "| `fn(response, label, sample)`; with `--group-rm` `fn(responses, labels, samples)` |",
+        "| `--dynamic-sampling-filter-path` | `fn(args, group)` -> bool or `DynamicFilterOutput(keep, reason)` "
+        "| `fn(rows)` -> keep or a reason |",
+        "",
+        *textwrap.wrap(break_on_hyphens=False, text=_PLUGINS_0, width=110),
+        "",
+        *textwrap.wrap(break_on_hyphens=False, text=_PLUGINS_1, width=110),
+        "",
+        *textwrap.wrap(break_on_hyphens=False, text=_PLUGINS_2, width=110),
         "",
         "## Implemented",
         "",

@@ -14,6 +14,7 @@ from typing import Any
 from sluiceway.flows.slime.architecture import ARCH_FLAGS
 from sluiceway.flows.slime.treatments import IMPLEMENTED, MAPPED, NOT_APPLICABLE, REFUSED, Flag
 from sluiceway.infra.errors import UserError
+from sluiceway.tasks.rollout.slime_plugins.args import register_slime_flags
 
 # -- run flags ----------------------------------------------------------------------------------------------
 
@@ -272,25 +273,12 @@ RUN_FLAGS: dict[str, Flag] = {
         REFUSED,
         "top-k sampling in evaluation is not implemented (eval samples with --eval-temperature and --eval-top-p)",
     ),  # fmt: skip
-    "--rollout-max-context-len": Flag(
-        REFUSED,
-        "a context cap that shortens responses of long prompts is not "
-        "implemented: set --rollout-max-prompt-len and --rollout-max-response-len",
-    ),
     "--use-rollout-logprobs": Flag(
         REFUSED,
         "using the engine's log-probs as the old policy's is not implemented "
         "(the trainer recomputes them; --use-tis corrects for the engine's)",
         nargs=0,
     ),
-    "--custom-reward-post-process-path": Flag(
-        REFUSED,
-        "a custom reward post-processing hook is not implemented "
-        "(--custom-rm-path with --group-rm scores whole groups)",
-    ),
-    "--custom-config-path": Flag(
-        REFUSED, "slime's YAML of custom-function arguments: put settings in the sluiceway YAML config or flags"
-    ),  # fmt: skip
     "--loss-mask-type": Flag(
         REFUSED,
         "slime's per-template multi-turn loss masks are not implemented: sluiceway's "
@@ -301,4 +289,41 @@ RUN_FLAGS: dict[str, Flag] = {
     "--moe-router-load-balancing-type": _na("the auxiliary loss kind, which --moe-aux-loss-coeff 0 switches off"),
 }
 
-SLIME_FLAGS: dict[str, Flag] = {**RUN_FLAGS, **ARCH_FLAGS}
+
+def _hook(why: str, nargs: int | str = 1) -> Flag:
+    return Flag(REFUSED, f"a slime hook sluiceway does not run: {why}", nargs=nargs)
+
+
+# slime's hooks (its arguments.py) that no sluiceway stage calls: each refused by name before anything starts. The
+# ones that do run are sluiceway fields: --custom-generate-function-path, --custom-rm-path (with --group-rm) and
+# --dynamic-sampling-filter-path take slime's functions (tasks/rollout/slime_plugins/, docs/slime.md).
+HOOK_FLAGS: dict[str, Flag] = {
+    "--custom-reward-post-process-path": _hook(
+        "the advantage stage computes its own baselines from the stored rewards and takes no precomputed ones "
+        "(--custom-rm-path with --group-rm scores whole groups)"
+    ),
+    "--rollout-sample-filter-path": _hook(
+        "per-sample remove_sample marking after the rollout; a generate function "
+        "may set sample.remove_sample itself (stored, masked out of the loss)"
+    ),
+    "--rollout-all-samples-process-path": _hook("sluiceway's rollout hands no data source to user code"),
+    "--rollout-sample-hook-path": _hook("per-sample hooks before the reward are not called"),
+    "--buffer-filter-path": _hook("sluiceway's buffer is the trajectories table; groups are taken in step order"),
+    "--data-source-path": _hook("prompts come from --prompt-data through sluiceway's own dataset loader"),
+    "--custom-rollout-log-function-path": _hook("rollout metrics go to the metrics table and the run's loggers"),
+    "--custom-eval-rollout-log-function-path": _hook("eval results go to the evals table"),
+    "--custom-convert-samples-to-train-data-path": _hook("the trainer batches the stored rows itself"),
+    "--eval-function-path": _hook("evaluation runs sluiceway's eval stage (--eval-prompt-data)"),
+    "--rollout-data-postprocess-path": _hook("the megatron trainer takes no user code between its stages"),
+    "--custom-loss-function-path": _hook("the policy losses are sluiceway's (--loss-type, docs/algorithms.md)"),
+    "--custom-advantage-function-path": _hook("advantages are computed by --advantage-estimator"),
+    "--custom-pg-loss-reducer-function-path": _hook("the loss is reduced by --loss-agg-mode"),
+    "--custom-megatron-init-path": _hook("the trainer initializes megatron itself"),
+    "--custom-megatron-before-log-prob-hook-path": _hook("the trainer calls no user code around log-probs"),
+    "--custom-megatron-before-train-step-hook-path": _hook("the trainer calls no user code around a train step"),
+    "--custom-model-provider-path": _hook("the model is built from --hf-checkpoint's config.json"),
+    "--custom-update-weight-post-write-path": _hook("weight versions are published by sluiceway's weight sync"),
+}
+
+SLIME_FLAGS: dict[str, Flag] = {**RUN_FLAGS, **HOOK_FLAGS, **ARCH_FLAGS}
+register_slime_flags({flag: spec.nargs == 0 for flag, spec in SLIME_FLAGS.items()})  # slime's `args` has them all

@@ -532,6 +532,17 @@ def read_slime_script(path: str | Path, env: dict[str, str] | None = None) -> Sl
     return SlimeScript(p, argv, reader.arrays, reader.sources)
 
 
+def _script_dir_importable(path: Path) -> None:
+    """slime's launch scripts put their own directory on PYTHONPATH so that `--custom-generate-function-path
+    generate_with_retool.generate` imports; so does running one here (this process and its children)."""
+    folder = str(Path(path).resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if folder not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([folder, *paths])
+
+
 def splice_slime_script(argv: list[str]) -> list[str]:
     """`--from-slime-script FILE` on a command line: the script's train.py flags in its place (later flags override
     them), after printing how each is treated."""
@@ -548,6 +559,7 @@ def splice_slime_script(argv: list[str]) -> list[str]:
             else:
                 raise UserError("--from-slime-script: expected a slime launch script")
             script = read_slime_script(path)
+            _script_dir_importable(script.path)
             print(f"slime script {path}: {len(script.argv)} words from its train.py line"
                   + (f" (sourced: {', '.join(str(p) for p in script.sources)})" if script.sources else ""),
                   file=sys.stderr)  # fmt: skip

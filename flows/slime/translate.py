@@ -291,13 +291,13 @@ def classify(flag: str) -> str | None:
     return None
 
 
-# sluiceway fields whose value is a user function: slime's take slime's own types and need porting
+# sluiceway fields whose value may be one of slime's functions (its dotted path): run as slime calls them
 _PORT = {
-    "--custom-generate-function-path": "a sluiceway field, but this is slime's function (args, Sample, "
-    "sampling_params) and imports slime: port it to tasks/rollout/multiturn.py's interface (module:function); "
-    "the run stops with one line until then",
-    "--custom-rm-path": "a sluiceway field, but this is slime's function (args, Sample): port it to "
-    "fn(response, label, sample) (module:function); the run stops with one line until then",
+    "--custom-generate-function-path": "a sluiceway field; slime's generate (args, sample, sampling_params) runs as it "
+    "is (tasks/rollout/slime_plugins/, docs/slime.md)",
+    "--custom-rm-path": "a sluiceway field; slime's reward function (args, sample), or (args, samples) with "
+    "--group-rm, runs as it is (docs/slime.md)",
+    "--dynamic-sampling-filter-path": "a sluiceway field; slime's filter (args, group) runs as it is (docs/slime.md)",
 }
 
 

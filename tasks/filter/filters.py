@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from sluiceway.infra.plugins import load_function
-
 GroupFilter = Callable[[list[dict]], str | None]
 
 
@@ -48,12 +46,23 @@ def overlong(max_tokens: int) -> GroupFilter:
 BUILTIN = {"zero_std": zero_std, "truncated": truncated}
 
 
-def user_filter(path: str) -> GroupFilter:
-    """A built-in by name, or 'module:fn' / 'file.py:fn' returning keep (True/None) or drop (False/reason)."""
+def user_filter(path: str, convention: str = "auto", slime_args: Callable | None = None) -> GroupFilter:
+    """A built-in by name, or a function ('module:fn', 'file.py:fn' or slime's dotted 'module.fn'): sluiceway's
+    `fn(rows)` returning keep (True/None) or drop (False/reason), or slime's `fn(args, group)` returning a bool or a
+    DynamicFilterOutput (tasks/rollout/slime_plugins/reward.py), told apart by its signature or `convention`;
+    `slime_args()` gives slime's `args`."""
+    from sluiceway.tasks.rollout.slime_plugins.convention import FILTER, SLIME, convention_of, load_plugin
+
     if path in BUILTIN:
         return BUILTIN[path]
-    fn = load_function(path, "--dynamic-sampling-filter-path")
+    fn = load_plugin(path, "--dynamic-sampling-filter-path")
     name = getattr(fn, "__name__", "dynamic_filter")
+    if convention_of(fn, FILTER, convention, path) == SLIME:
+        from sluiceway.tasks.rollout.slime_plugins.reward import slime_filter
+
+        if slime_args is None:
+            raise ValueError("a slime-style filter needs the run's slime args")
+        return slime_filter(fn, slime_args(), name)
 
     def check(rows: list[dict]) -> str | None:
         verdict = fn(rows)
@@ -64,12 +73,12 @@ def user_filter(path: str) -> GroupFilter:
     return check
 
 
-def build_filters(rollout_cfg, current_version: int) -> list[GroupFilter]:
+def build_filters(rollout_cfg, current_version: int, slime_args: Callable | None = None) -> list[GroupFilter]:
     """The filter stage's filters, in the order that names a dropped group's reason."""
     r = rollout_cfg
     filters: list[GroupFilter] = []
     if r.dynamic_sampling_filter_path:
-        filters.append(user_filter(r.dynamic_sampling_filter_path))
+        filters.append(user_filter(r.dynamic_sampling_filter_path, r.plugin_convention, slime_args))
     if r.max_staleness is not None:
         filters.append(stale(r.max_staleness, lambda: current_version))
     if r.filter_truncated:

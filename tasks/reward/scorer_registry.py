@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from sluiceway.infra.errors import UserError
-from sluiceway.infra.plugins import load_function
 from sluiceway.tasks.environments import env_reward
 from sluiceway.tasks.reward.code_exec import code_reward
 from sluiceway.tasks.reward.math_answer import exact_reward, math_reward
@@ -40,7 +39,9 @@ RM_TYPES = [*BUILTIN, *BUILTIN_WITH_SAMPLE, "remote"]
 
 
 def load_custom(path: str) -> Scorer:
-    return load_function(path, "--custom-rm-path")
+    from sluiceway.tasks.rollout.slime_plugins.convention import load_plugin  # 'module:fn', 'file.py:fn', 'module.fn'
+
+    return load_plugin(path, "--custom-rm-path")
 
 
 def get_scorer(rm_type: str, custom_rm_path: str | None) -> Callable:

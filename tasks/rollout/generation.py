@@ -55,6 +55,21 @@ class Generation(Protocol):
         """Why the sample was cut short, kept in the row's metadata [none]."""
         ...
 
+    @property
+    def reward_details(self) -> dict | None:
+        """What the row's reward_details hold beside a `reward` the generator set [{"source": "agent"}]."""
+        ...
+
+    @property
+    def row_metadata(self) -> dict | None:
+        """More of the row's metadata, merged over the prompt's (a slime Sample's fields) [none]."""
+        ...
+
+    @property
+    def teacher_logprobs(self) -> list[float] | None:
+        """A teacher's log-prob per response token, if the generator has them [left to distillation's stage]."""
+        ...
+
 
 class GenerationDefaults:
     """The optional `Generation` attributes as None, for a class that brings none or only some of them."""
@@ -65,3 +80,6 @@ class GenerationDefaults:
     prompt_text: str | None = None
     reward: float | None = None
     abort_reason: str | None = None
+    reward_details: dict | None = None
+    row_metadata: dict | None = None
+    teacher_logprobs: list[float] | None = None

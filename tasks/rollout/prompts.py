@@ -19,8 +19,8 @@ from sluiceway.storage.object_store import ObjectStore
 from sluiceway.tasks.environments import generate_env
 from sluiceway.tasks.environments.adaptive_source import AdaptivePromptSource
 from sluiceway.tasks.rollout.agent.proxy import AgentGenerate, load_agent_function
-from sluiceway.tasks.rollout.multiturn import load_custom_generate
 from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings
+from sluiceway.tasks.rollout.slime_plugins.generate import load_generate
 
 
 def dataset_table_name(prompt_data: str, env_size: int, seed: int) -> str:
@@ -97,7 +97,7 @@ def build_rollout_settings(cfg: RunConfig, tokenizer, hf_dir: Path) -> RolloutSe
         seed=cfg.training.seed, groups_needed=r.rollout_batch_size,
         groups_submitted=r.over_sampling_batch_size or r.rollout_batch_size, max_concurrency=r.rollout_max_concurrency,
         partial_rollout=r.partial_rollout, mask_offpolicy=r.mask_offpolicy_in_partial_rollout,
-        custom_generate=load_custom_generate(r.custom_generate_function_path) if r.custom_generate_function_path
+        custom_generate=load_generate(cfg, hf_dir) if r.custom_generate_function_path
         else AgentGenerate(load_agent_function(r.agent_function_path)) if r.agent_function_path
         else None, tokenizer=tokenizer, max_prompt_len=r.rollout_max_prompt_len,
     )  # fmt: skip

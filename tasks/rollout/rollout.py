@@ -196,6 +196,10 @@ def _row(
         meta["offpolicy_tokens"] = len(part.token_ids)
     if res.abort_reason:
         meta["abort_reason"] = res.abort_reason
+    extra = getattr(res, "row_metadata", None)  # a slime Sample's fields (tasks/rollout/slime_plugins/generate.py)
+    if extra:
+        meta.update(extra)
+    details = getattr(res, "reward_details", None) or {"source": "agent"}
     # An agent session (tasks/rollout/agent/proxy.py) renders its own prompt and may bring the agent's reward.
     return TrajectoryRow(
         run_id=run_id,
@@ -211,7 +215,7 @@ def _row(
         rollout_logprobs=part.logprobs + res.logprobs,
         loss_mask=old_mask + new_mask,
         reward=res.reward,
-        reward_details=json.dumps({"source": "agent"}) if res.reward is not None else None,
+        reward_details=json.dumps(details, default=str) if res.reward is not None else None,
         status=status,
         finish_reason=res.finish_reason,
         weight_version=versions[-1],
@@ -220,9 +224,9 @@ def _row(
         pool=pool,
         gen_time_s=res.latency_s,
         created_at=datetime.now(UTC),
-        metadata=json.dumps(meta),
+        metadata=json.dumps(meta, default=str),
         filter_reason=None,  # Rollout.judge sets it
-        teacher_logprobs=None,  # on-policy distillation's stage fills it
+        teacher_logprobs=getattr(res, "teacher_logprobs", None),  # else on-policy distillation's stage fills it
     )
 
 

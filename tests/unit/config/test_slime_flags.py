@@ -267,17 +267,17 @@ def test_warmup_fraction_wandb_key_and_sft_switch(capsys, monkeypatch):
     assert rc == 2 and "--loss-type sft_loss" in err
 
 
-def test_slime_custom_functions_are_named_as_needing_a_port():
-    """search-r1's --custom-generate-function-path is accepted as a flag, but slime's function (slime's Sample,
-    slime's imports) does not run here: --from-slime-script says so, and loading it is one line."""
-    from sluiceway.infra.plugins import load_function
+def test_slime_custom_functions_run_as_they_are():
+    """search-r1's --custom-generate-function-path names slime's function by slime's dotted path: --from-slime-script
+    says it runs as it is (issue 41), and one that does not import is one line saying where it was looked for."""
+    from sluiceway.tasks.rollout.slime_plugins.convention import load_plugin
 
     words = [w for line in flag_lines("run_qwen2.5_3B") for w in line]
     lines = slime.describe(words)
     (gen,) = [x for x in lines if x.strip().startswith("--custom-generate-function-path")]
-    assert "port it" in gen and "slime's function" in gen
-    with pytest.raises(UserError, match="slime-style dotted path"):
-        load_function("generate_with_search.reward_func", "--custom-rm-path")
+    assert "runs as it is" in gen and "slime's generate" in gen
+    with pytest.raises(UserError, match="cannot import generate_with_search .*--from-slime-script"):
+        load_plugin("generate_with_search.reward_func", "--custom-rm-path")
 
 
 def test_slime_normalisation_flags_and_no_prefix_matching():
