@@ -46,10 +46,15 @@ FRESH = T=$$(mktemp -d /tmp/sw-fresh.XXXXXX) && mkdir -p $$T/home $$T/tmp && tra
 
 # Both tiers, tests/unit and tests/integration (what starts engines, a router, torchrun or spawned process groups,
 # Prefect, the CLI, the sandbox or a browser), then the fast paths again under AVX2. CI (.ci/run) calls this.
-# The 25 slowest tests are listed at the end: the suite's 30-minute budget is kept with them.
+# Two pytest-xdist workers: a test's processes use about 1.2 of the 2 cores on average (imports, waits for engines
+# and servers), so two files at a time keep both busy; a file's tests stay on one worker, and so do the files
+# that share a run (tests/conftest.py). TEST_WORKERS=0 runs them in this process, one at a time.
+# The 25 slowest tests are listed at the end: the suite's 25-minute budget is kept with them.
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadgroup
 test: install
-	$(FRESH) $(PY) -m pytest -q -p no:cacheprovider -m "not slow" --durations=25 $(PYTEST_ARGS)
-	$(FRESH) $(AVX2_ONLY) $(PY) -m pytest -q -m "not slow" -p no:cacheprovider $(FAST_PATH_TESTS)
+	$(FRESH) $(PY) -m pytest -q -p no:cacheprovider -m "not slow" $(XDIST) --durations=25 $(PYTEST_ARGS)
+	$(FRESH) $(AVX2_ONLY) $(PY) -m pytest -q -m "not slow" -p no:cacheprovider $(XDIST) $(FAST_PATH_TESTS)
 
 # The unit tier alone (no process started but the session's SeaweedFS for the store fixture's s3 variant), with
 # this machine's warm caches.

@@ -11,6 +11,23 @@ from sluiceway.infra.s3_server import SeaweedS3
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.storage.object_store import ObjectStore
 
+# `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`). A file's tests stay on one worker
+# (their module fixtures are made once), and the files that share a session fixture's run (tests/integration/
+# conftest.py: two_step_run, dp2_cli_run) go to the same worker, so each shared run is made once.
+SHARED_RUNS = ("two_step_run", "dp2_cli_run")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    group: dict[str, str] = {}
+    for item in items:
+        shared = next((name for name in SHARED_RUNS if name in getattr(item, "fixturenames", ())), None)
+        if shared is not None or str(item.path) not in group:
+            group[str(item.path)] = shared or group.get(str(item.path)) or item.path.name
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group[str(item.path)]))
+
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory):

@@ -50,6 +50,7 @@ deadline = time.time() + 60
 while len(list(flags.glob("ready-*"))) < int(sys.argv[2]) and time.time() < deadline:
     time.sleep(0.05)
 mine = os.environ["OPENAI_API_KEY"]
+root = os.environ["OPENAI_BASE_URL"].split("/sessions/")[0]
 httpx.post(os.environ["OPENAI_BASE_URL"] + "/chat/completions", headers={"Authorization": f"Bearer {mine}"},
            json={"model": "policy", "messages": [{"role": "user", "content": "hi"}]}).raise_for_status()
 found, answers, pids = {}, [], []
@@ -61,7 +62,8 @@ for entry in pathlib.Path("/proc").iterdir():
         env = dict(kv.split("=", 1) for kv in (entry / "environ").read_bytes().decode().split("\\0") if "=" in kv)
     except OSError:
         continue
-    if env.get("OPENAI_API_KEY") not in (None, mine):
+    # Only this endpoint's sessions: other processes of the machine (other tests) may hold keys of their own.
+    if env.get("OPENAI_API_KEY") not in (None, mine) and env.get("OPENAI_BASE_URL", "").startswith(root):
         found[env["OPENAI_API_KEY"]] = env["OPENAI_BASE_URL"]
 for n, (key, base) in enumerate(found.items()):
     session = base.removesuffix("/v1")
