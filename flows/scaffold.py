@@ -5,6 +5,7 @@ tasks find their run: flows/live_run.py."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from prefect import task
@@ -14,9 +15,10 @@ from sluiceway.flows.config import RunConfig
 from sluiceway.flows.live_run import live
 from sluiceway.infra.errors import UserError
 from sluiceway.storage.object_store import ObjectStore
-from sluiceway.tasks.train.launch import build_trainer
-from sluiceway.tasks.train.remote import RemoteTrainer
-from sluiceway.tasks.train.trainer import PolicyTrainer
+
+if TYPE_CHECKING:  # `sluiceway eval` uses this module but never trains: the trainer's imports (megatron) wait
+    from sluiceway.tasks.train.remote import RemoteTrainer
+    from sluiceway.tasks.train.trainer import PolicyTrainer
 
 
 def check_device(cfg: RunConfig) -> None:
@@ -42,6 +44,8 @@ def build_run_trainer(
     cfg: RunConfig, hf_dir: Path, tokenizer, run_dir: Path, total_iters: int, **kw
 ) -> PolicyTrainer | RemoteTrainer:
     """The run's trainer under `run_dir/trainer`, padding with the tokenizer's pad token (else its EOS)."""
+    from sluiceway.tasks.train.launch import build_trainer
+
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return build_trainer(cfg, hf_dir, pad, run_dir / "trainer", total_iters, **kw)
 
