@@ -46,10 +46,10 @@ class RolloutConfig(Group):
     )
     plugin_convention: Literal["auto", "slime", "sluiceway"] = Field(
         "auto",
-        description="Which calling convention the custom functions (--custom-generate-function-path, "
-        "--custom-rm-path, --dynamic-sampling-filter-path) speak: slime's (args, sample, ...) or sluiceway's "
-        "(see docs/slime.md). auto: told from each function's signature; one the signature cannot tell (*args, "
-        "unfamiliar names) is an error asking for this setting.",
+        description="Custom functions' calling convention: slime's or sluiceway's. auto: told from each function's "
+        "signature (--custom-generate-function-path, --custom-rm-path, --dynamic-sampling-filter-path: slime's "
+        "(args, sample, ...) or sluiceway's, docs/slime.md); one the signature cannot tell (*args, unfamiliar names) "
+        "is an error asking for this setting.",
     )
     rollout_max_context_len: int | None = Field(
         None,
@@ -60,8 +60,8 @@ class RolloutConfig(Group):
     )
     custom_config_path: str | None = Field(
         None,
-        description="slime's --custom-config-path: a YAML whose top-level keys become attributes of the `args` "
-        "that slime-style custom functions receive (slime's semantics: set or overridden, values as YAML gives them).",
+        description="slime's: a YAML whose keys become attributes of slime-style functions' `args`. Set or "
+        "overridden, values as YAML gives them, as slime does.",
     )
     agent_function_path: str | None = Field(
         None,

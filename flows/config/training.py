@@ -79,10 +79,10 @@ class TrainingConfig(Group):
     )
     bf16_weight_rounding: Literal["nearest", "stochastic"] = Field(
         "stochastic",
-        description="With bf16 compute, how the model's bf16 weights take their fp32 masters' values after each step: "
-        "stochastic: up with probability equal to the weight's position between its two bf16 neighbours, through a "
-        "random threshold fixed per weight, so updates smaller than bf16's spacing are not lost (learns as fp32 "
-        "does on bench_learning; tasks/train/weight_rounding.py); nearest: megatron's. The engines get the "
+        description="With bf16 compute, how bf16 weights take their fp32 masters' values after each step: "
+        "stochastic keeps updates below bf16's spacing (tasks/train/weight_rounding.py); nearest is megatron's. "
+        "Stochastic rounds up with probability equal to the weight's position between its two bf16 neighbours, "
+        "through a random threshold fixed per weight (learns as fp32 does on bench_learning). The engines get the "
         "trainer's bf16 weights either way.",
     )
     bf16: bool | None = Field(
