@@ -22,6 +22,7 @@ from sluiceway.flows.cli import (
     serve,
     server,
     sft,
+    tinker,
     weights,
 )
 from sluiceway.flows.cli.flow import FlowCommand, Invocation, dispatch
@@ -47,6 +48,7 @@ COMMANDS = {
     "weights": weights,
     "ckpt": weights,  # the alias kept for scripts written before the rename
     "pools": pools,
+    "tinker": tinker,
 }
 
 

@@ -1,0 +1,37 @@
+"""`sluiceway tinker serve --base-model NAME`: Tinker's HTTP API on loopback (flows/tinker/, docs/tinker.md);
+point a Tinker program at it with TINKER_BASE_URL=http://127.0.0.1:PORT and any TINKER_API_KEY."""
+
+from __future__ import annotations
+
+
+def add_parser(sub) -> None:
+    tk = sub.add_parser("tinker", help="serve Tinker's API (Thinking Machines' SDK) over sluiceway's trainer")
+    tsub = tk.add_subparsers(dest="tinker_command", required=True)
+    s = tsub.add_parser("serve", help="run the Tinker-compatible server until interrupted")
+    s.add_argument("--base-model", default="tiny-llama", help="a zoo name or a local HF model directory")
+    s.add_argument("--host", default="127.0.0.1", help="listen address (default loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--work-dir", default=".sluiceway/tinker", help="where saved sampler weights are written")
+    s.add_argument("--device", default="cpu", help="the trainer's device: cpu or cuda")
+
+
+def run(args) -> int:
+    import logging
+    from pathlib import Path
+
+    import uvicorn
+
+    from sluiceway.flows.tinker.app import ServerState, build_app
+    from sluiceway.models.zoo import resolve_checkpoint
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    base_dir = resolve_checkpoint(args.base_model)
+    work_dir = Path(args.work_dir).resolve()
+    work_dir.mkdir(parents=True, exist_ok=True)
+    state = ServerState(args.base_model, Path(base_dir), work_dir, device=args.device)
+    print(f"sluiceway tinker: serving {args.base_model} on http://{args.host}:{args.port}", flush=True)
+    try:
+        uvicorn.run(build_app(state), host=args.host, port=args.port, log_level="warning")
+    finally:
+        state.close()  # the engines' and runners' threads
+    return 0

@@ -1,0 +1,367 @@
+"""The HTTP routes of Tinker's API (SDK 0.38.0's, read from its source: tinker/resources/*.py and
+tinker/lib/api_future_impl.py), on Starlette. Requests are parsed with the SDK's own pydantic types; what is
+not implemented answers with an error the SDK shows, naming it (a failed future where the SDK expects a future,
+else a 404 that is not retried)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from tinker import types
+
+from sluiceway.flows.tinker.futures import (
+    PROTOBUF,
+    FutureStore,
+    Result,
+    SequencedRunner,
+    TinkerUserError,
+    not_implemented,
+)
+from sluiceway.flows.tinker.wire import decompress, forward_backward_output, parse_forward_backward, sample_response
+
+log = logging.getLogger(__name__)
+
+POLL_WAIT_S = 10.0  # how long retrieve_future holds a pending request before try_again (the SDK waits 45 s)
+
+# Routes the SDK calls whose answer is a future, not implemented here: their future fails, naming the call.
+FUTURE_ROUTES_NOT_IMPLEMENTED = {
+    "save_weights": "save_weights (save_state)",
+    "load_weights": "load_weights (load_state, create_training_client_from_state)",
+    "save_weights_external": "save_weights_external",
+    "unload_model": "unload_model",
+    "create_custom_loss": "server-side custom losses (custom_loss_server_side is off: they run on the client)",
+}
+
+
+@dataclass
+class ServerState:
+    base_model: str  # the name the user gave (a zoo name or a directory)
+    base_dir: Path  # its local HF directory
+    work_dir: Path  # where sampler weights are written
+    device: str = "cpu"
+    futures: FutureStore = field(default_factory=FutureStore)
+    sessions: dict[str, dict] = field(default_factory=dict)
+    models: dict[str, Any] = field(default_factory=dict)  # model_id -> TinkerModel, once created
+    runners: dict[str, SequencedRunner] = field(default_factory=dict)
+    sampler_dirs: dict[str, Path] = field(default_factory=dict)  # tinker:// path -> its model directory
+    sampling_sessions: dict[str, tuple[Path, str | None]] = field(default_factory=dict)  # id -> (dir, path)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="tinker"))
+    samplers: Any = None
+
+    def __post_init__(self) -> None:
+        from sluiceway.flows.tinker.sampler import Samplers
+
+        self.samplers = self.samplers or Samplers()
+
+    def close(self) -> None:
+        for r in self.runners.values():
+            r.stop()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.samplers.close()
+
+    def model(self, model_id: str):
+        m = self.models.get(model_id)
+        if m is None:
+            raise TinkerUserError(f"unknown model_id {model_id!r} (create it first; models do not outlive a restart)")
+        return m
+
+    def matches_base(self, name: str | None) -> bool:
+        return name is None or name == self.base_model or name == str(self.base_dir)
+
+
+def error(status: int, message: str) -> JSONResponse:
+    # x-should-retry false: the SDK's HTTP client would otherwise retry some statuses before showing the error.
+    return JSONResponse({"error": message, "detail": message}, status, headers={"x-should-retry": "false"})
+
+
+async def parse(request: Request, model: type) -> Any:
+    try:
+        return model.model_validate(await request.json())
+    except Exception as e:  # noqa: BLE001 (pydantic's ValidationError, bad JSON)
+        raise TinkerUserError(f"{request.url.path}: the body is not a valid {model.__name__}: {e}") from e
+
+
+def future_response(rid: str, model_id: str | None = None, **extra) -> JSONResponse:
+    body = types.UntypedAPIFuture(request_id=rid, model_id=model_id, **extra).model_dump(mode="json", exclude_none=True)
+    return JSONResponse(body)
+
+
+def build_app(state: ServerState) -> Starlette:
+    def submit(model_id: str, seq_id: int | None, fn) -> str:
+        """Queue `fn` on the model's runner (its seq_id order) and answer its request id at once."""
+        rid = state.futures.new()
+        with state.lock:
+            runner = state.runners.get(model_id)
+        if runner is None:
+            state.futures.finish(rid, Result(error=f"unknown model_id {model_id!r} (create it first)"))
+        else:
+            runner.submit(seq_id, lambda: state.futures.run(rid, fn))
+        return rid
+
+    def failed_future(exc: TinkerUserError) -> JSONResponse:
+        rid = state.futures.new()
+        state.futures.finish(rid, Result(error=str(exc), category="user"))
+        return future_response(rid)
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def client_config(request: Request) -> Response:
+        # zstd on: the SDK then compresses forward_backward bodies, and this server reads them (wire.decompress).
+        cfg = types.ClientConfigResponse(proto_compress_fwdbwd=True)
+        return JSONResponse(cfg.model_dump(mode="json"))
+
+    async def dynamic_config(request: Request) -> Response:
+        return JSONResponse(types.ClientDynamicConfigResponse().model_dump(mode="json"))
+
+    async def capabilities(request: Request) -> Response:
+        model = {"model_name": state.base_model, "trainable": True, "sampleable": True}
+        return JSONResponse({"supported_models": [model]})
+
+    async def create_session(request: Request) -> Response:
+        req = await parse(request, types.CreateSessionRequest)
+        sid = f"session-{uuid.uuid4().hex[:16]}"
+        state.sessions[sid] = {"tags": req.tags, "sdk_version": req.sdk_version}
+        return JSONResponse(types.CreateSessionResponse(session_id=sid).model_dump(mode="json"))
+
+    async def heartbeat(request: Request) -> Response:
+        req = await parse(request, types.SessionHeartbeatRequest)
+        if req.session_id not in state.sessions:
+            return error(404, f"unknown session {req.session_id!r} (sessions do not outlive a server restart)")
+        if "finished" in state.sessions[req.session_id]:
+            return error(410, f"session {req.session_id!r} has finished")  # the SDK stops its heartbeat on 410
+        return JSONResponse(types.SessionHeartbeatResponse().model_dump(mode="json"))
+
+    async def finish_session(request: Request) -> Response:
+        """ServiceClient.close(status): the session ends (first reason wins) and its models are let go."""
+        sid = request.path_params["session_id"]
+        if sid not in state.sessions:
+            return error(404, f"unknown session {sid!r}")
+        body = await request.json()
+        state.sessions[sid].setdefault("finished", (body.get("reason") or {}).get("type"))
+        with state.lock:
+            for model_id in [m for m in state.runners if m.startswith(f"{sid}:")]:
+                state.runners.pop(model_id).stop()
+                state.models.pop(model_id, None)
+        return JSONResponse({})
+
+    async def create_model(request: Request) -> Response:
+        from sluiceway.flows.tinker.model import TinkerModel
+
+        req = await parse(request, types.CreateModelRequest)
+        if req.session_id not in state.sessions:
+            raise TinkerUserError(f"unknown session {req.session_id!r}")
+        if not state.matches_base(req.base_model):
+            raise TinkerUserError(
+                f"base_model {req.base_model!r}: this server serves {state.base_model!r} (sluiceway tinker serve "
+                "--base-model); one base model per server in this version"
+            )
+        if req.optimizer_config.type != "adamw":
+            raise not_implemented(f"the optimizer {req.optimizer_config.type!r} (only adamw)")
+        lora = req.lora_config
+        if lora is not None and not (lora.train_mlp and lora.train_attn and lora.train_unembed):
+            raise not_implemented("LoRA on part of the layers (train_mlp/train_attn/train_unembed all True only)")
+        model_id = f"{req.session_id}:train:{req.model_seq_id}"  # the id the SDK itself derives
+        with state.lock:
+            if model_id in state.runners:
+                raise TinkerUserError(f"model {model_id!r} exists already")
+            state.runners[model_id] = SequencedRunner(model_id)
+
+        def build() -> Result:
+            rank = 0 if lora is None else lora.rank
+            m = TinkerModel(model_id, state.base_dir, rank, None if lora is None else lora.seed, state.device)
+            state.models[model_id] = m
+            log.info("tinker: created %s (%s)", model_id, f"LoRA rank {rank}" if rank else "full weights")
+            return Result(json=types.CreateModelResponse(model_id=model_id).model_dump(mode="json"))
+
+        return future_response(submit(model_id, None, build), model_id)
+
+    async def get_info(request: Request) -> Response:
+        req = await parse(request, types.GetInfoRequest)
+        m = state.model(req.model_id)
+        # The tokenizer is named by the local directory, so the SDK's get_tokenizer loads it offline; model_name
+        # too, because a sampling client made by save_weights_and_get_sampling_client loads from the model name.
+        data = types.ModelData(arch="llama", model_name=str(state.base_dir), tokenizer_id=str(state.base_dir))
+        info = types.GetInfoResponse(type="get_info", model_data=data, model_id=req.model_id,
+                                     is_lora=m.lora_rank > 0, lora_rank=m.lora_rank or None,
+                                     model_name=str(state.base_dir))  # fmt: skip
+        return JSONResponse(info.model_dump(mode="json", exclude_none=True))
+
+    async def forward_backward(request: Request) -> Response:
+        if PROTOBUF not in request.headers.get("content-type", ""):
+            raise TinkerUserError("forward_backward takes a protobuf body (tinker>=0.25); this SDK sent JSON")
+        body = decompress(await request.body(), request.headers.get("content-encoding"))
+        req = parse_forward_backward(body)
+        m = state.model(req.model_id)
+
+        def run() -> Result:
+            outputs, metrics = m.forward_backward(req.data, req.loss_fn, req.loss_fn_config, req.forward_only)
+            return Result(proto=forward_backward_output(outputs, metrics))
+
+        return future_response(submit(req.model_id, req.seq_id, run), req.model_id)
+
+    async def optim_step(request: Request) -> Response:
+        req = await parse(request, types.OptimStepRequest)
+        m = state.model(req.model_id)
+        if not isinstance(req.optim_params, types.AdamParams):
+            raise not_implemented(f"optimizer parameters of type {getattr(req.optim_params, 'type', '?')!r}")
+        params = req.optim_params.model_dump()
+
+        def run() -> Result:
+            return Result(json=types.OptimStepResponse(metrics=m.optim_step(params)).model_dump(mode="json"))
+
+        return future_response(submit(req.model_id, req.seq_id, run), req.model_id)
+
+    async def save_for_sampler(request: Request) -> Response:
+        req = await parse(request, types.SaveWeightsForSamplerRequest)
+        m = state.model(req.model_id)
+
+        def run() -> Result:
+            path = m.save_for_sampler(state.work_dir / "sampler_weights" / req.model_id.replace(":", "_"))
+            out: dict[str, Any] = {"type": "save_weights_for_sampler"}
+            if req.path is not None:  # a named save: a tinker:// path any client may sample from
+                tinker_path = f"tinker://{req.model_id}/sampler_weights/{req.path}"
+                state.sampler_dirs[tinker_path] = path
+                out["path"] = tinker_path
+            else:  # save_weights_and_get_sampling_client: a sampling session on these weights
+                sid = f"sampler-{uuid.uuid4().hex[:16]}"
+                state.sampling_sessions[sid] = (path, None)
+                out["sampling_session_id"] = sid
+            return Result(json=out)
+
+        return future_response(submit(req.model_id, req.seq_id, run), req.model_id)
+
+    async def create_sampling_session(request: Request) -> Response:
+        req = await parse(request, types.CreateSamplingSessionRequest)
+        if req.model_path is not None:
+            path = state.sampler_dirs.get(req.model_path)
+            if path is None:
+                raise TinkerUserError(
+                    f"unknown model_path {req.model_path!r}: give a path save_weights_for_sampler returned by this "
+                    "server (saved weights do not outlive a restart in this version)"
+                )
+        elif state.matches_base(req.base_model):
+            path = state.base_dir
+        else:
+            raise TinkerUserError(f"base_model {req.base_model!r}: this server serves {state.base_model!r}")
+        sid = f"sampler-{uuid.uuid4().hex[:16]}"
+        state.sampling_sessions[sid] = (path, req.model_path)
+        return JSONResponse(types.CreateSamplingSessionResponse(sampling_session_id=sid).model_dump(mode="json"))
+
+    async def get_sampler(request: Request) -> Response:
+        sid = request.path_params["sampler_id"]
+        if sid not in state.sampling_sessions:
+            return error(404, f"unknown sampler {sid!r}")
+        _, model_path = state.sampling_sessions[sid]
+        # base_model is the local directory: the SDK's SamplingClient.get_tokenizer loads it by this name.
+        body = types.GetSamplerResponse(sampler_id=sid, base_model=str(state.base_dir), model_path=model_path)
+        return JSONResponse(body.model_dump(mode="json", exclude_none=True))
+
+    async def asample(request: Request) -> Response:
+        body = await request.json()
+        req = await parse_json(request, body, types.SampleRequest)
+        if req.sampling_session_id is not None:
+            if req.sampling_session_id not in state.sampling_sessions:
+                raise TinkerUserError(f"unknown sampling_session_id {req.sampling_session_id!r}")
+            model_dir = state.sampling_sessions[req.sampling_session_id][0]
+        elif req.model_path is not None:
+            if req.model_path not in state.sampler_dirs:
+                raise TinkerUserError(f"unknown model_path {req.model_path!r}")
+            model_dir = state.sampler_dirs[req.model_path]
+        elif state.matches_base(req.base_model):
+            model_dir = state.base_dir
+        else:
+            raise TinkerUserError(f"base_model {req.base_model!r}: this server serves {state.base_model!r}")
+        rid = state.futures.new()
+
+        def run() -> Result:
+            seqs, prompt_lps = state.samplers.sample(model_dir, body)
+            return Result(proto=sample_response(seqs, prompt_lps))
+
+        state.pool.submit(state.futures.run, rid, run)
+        ids = [f"{rid}:{i}" for i in range(req.num_samples)]
+        return future_response(rid, sample_sequence_ids=ids)
+
+    async def retrieve_future(request: Request) -> Response:
+        req = await parse(request, types.FutureRetrieveRequest)
+        if not state.futures.known(req.request_id):
+            # 404 is final for the SDK; results do not outlive a restart in this version.
+            return error(404, f"unknown request_id {req.request_id!r}")
+        result = await asyncio.to_thread(state.futures.wait, req.request_id, POLL_WAIT_S)
+        if result is None:
+            return JSONResponse({"type": "try_again", "request_id": req.request_id, "queue_state": "active"})
+        body = result.body()
+        if isinstance(body, bytes):
+            return Response(body, media_type=PROTOBUF)
+        return JSONResponse(body)
+
+    def not_implemented_future(what: str):
+        async def handler(request: Request) -> Response:
+            body = await request.json()
+            model_id, seq_id = body.get("model_id"), body.get("seq_id")
+            if model_id in state.runners and seq_id is not None:
+                # Through the model's runner, so its seq_id counts as done and the next request does not wait.
+                return future_response(submit(model_id, seq_id, lambda: (_ for _ in ()).throw(not_implemented(what))))
+            return failed_future(not_implemented(what))
+
+        return handler
+
+    async def fallback(request: Request) -> Response:
+        return error(404, f"sluiceway's Tinker server does not implement {request.method} {request.url.path} yet "
+                          "(docs/tinker.md lists what it does)")  # fmt: skip
+
+    def guarded(fn):
+        """A user's mistake raised while parsing answers 400 with its message (the SDK shows it, no retry)."""
+
+        async def handler(request: Request) -> Response:
+            try:
+                return await fn(request)
+            except TinkerUserError as e:
+                return error(400, str(e))
+
+        return handler
+
+    post = {
+        "client/config": client_config,
+        "client/dynamic_config": dynamic_config,
+        "create_session": create_session,
+        "session_heartbeat": heartbeat,
+        "create_model": create_model,
+        "get_info": get_info,
+        "forward_backward": forward_backward,
+        "optim_step": optim_step,
+        "save_weights_for_sampler": save_for_sampler,
+        "create_sampling_session": create_sampling_session,
+        "asample": asample,
+        "retrieve_future": retrieve_future,
+    }
+    routes = [Route(f"/api/v1/{p}", guarded(fn), methods=["POST"]) for p, fn in post.items()]
+    routes += [Route(f"/api/v1/{p}", not_implemented_future(what), methods=["POST"])
+               for p, what in FUTURE_ROUTES_NOT_IMPLEMENTED.items()]  # fmt: skip
+    routes += [
+        Route("/api/v1/healthz", healthz, methods=["GET"]),
+        Route("/api/v1/get_server_capabilities", capabilities, methods=["GET"]),
+        Route("/api/v1/samplers/{sampler_id}", guarded(get_sampler), methods=["GET"]),
+        Route("/api/v1/sessions/{session_id}/finish", guarded(finish_session), methods=["POST"]),
+        Route("/{rest:path}", fallback, methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
+    ]
+    return Starlette(routes=routes)
+
+
+async def parse_json(request: Request, body: dict, model: type) -> Any:
+    try:
+        return model.model_validate(body)
+    except Exception as e:  # noqa: BLE001
+        raise TinkerUserError(f"{request.url.path}: the body is not a valid {model.__name__}: {e}") from e

@@ -1,0 +1,156 @@
+"""The server side of the SDK's futures: every mutating call answers a request id at once and runs later; the
+client polls `retrieve_future` until the result is there (try again while pending). Pure logic, no HTTP.
+
+Ordering: the SDK numbers a training client's requests (`seq_id`, from 1) and expects them applied in that order
+(a forward_backward before the optim_step that follows it). It already sends them in turn, but HTTP requests on
+separate connections can still arrive swapped, so each model runs its work in seq_id order (`SequencedRunner`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+PROTOBUF = "application/x-protobuf"
+
+
+class TinkerUserError(Exception):
+    """A request the server refuses for the user's reason (a bad input, something not implemented): the SDK
+    raises RequestFailedError with category `user`, showing this message."""
+
+
+def not_implemented(what: str) -> TinkerUserError:
+    return TinkerUserError(
+        f"sluiceway's Tinker server does not implement {what} yet (docs/tinker.md lists what it does)"
+    )
+
+
+@dataclass
+class Result:
+    """A finished request: a JSON body (a dict), or protobuf bytes for the types the SDK reads as protobuf."""
+
+    json: dict[str, Any] | None = None
+    proto: bytes | None = None
+    error: str | None = None
+    category: str = "user"  # RequestErrorCategory's value: "user", "server" or "unknown"
+
+    def body(self) -> dict[str, Any] | bytes:
+        if self.error is not None:  # the SDK's RequestFailedResponse
+            return {"error": self.error, "category": self.category}
+        return self.proto if self.proto is not None else self.json
+
+
+@dataclass
+class _Entry:
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Result | None = None
+    created: float = field(default_factory=time.monotonic)
+
+
+class FutureStore:
+    """Request ids and their results, in memory (this slice: a restart forgets them; docs/tinker.md)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+
+    def new(self) -> str:
+        rid = f"req-{uuid.uuid4().hex}"
+        with self._lock:
+            self._entries[rid] = _Entry()
+        return rid
+
+    def finish(self, rid: str, result: Result) -> None:
+        entry = self._entries[rid]
+        entry.result = result
+        entry.done.set()
+
+    def run(self, rid: str, fn: Callable[[], Result]) -> None:
+        """Run `fn` and keep what it returns; an exception becomes the request's error (user or server)."""
+        try:
+            result = fn()
+        except TinkerUserError as e:
+            result = Result(error=str(e), category="user")
+        except Exception as e:  # noqa: BLE001 (any failure is the request's answer, never the server's end)
+            result = Result(error=f"{type(e).__name__}: {e}", category="server")
+        self.finish(rid, result)
+
+    def known(self, rid: str) -> bool:
+        return rid in self._entries
+
+    def wait(self, rid: str, timeout: float) -> Result | None:
+        """The result, waiting up to `timeout` s for it (a long poll: the SDK asks again at once on try_again,
+        so answering immediately would spin it); None while still pending. KeyError for an unknown id."""
+        entry = self._entries[rid]
+        entry.done.wait(timeout)
+        return entry.result
+
+
+UNSEQUENCED = 1 << 62  # jobs without a seq_id sort after every numbered one and never wait for a gap
+
+
+@dataclass(order=True)
+class _Job:
+    seq: int
+    order: int
+    fn: Callable[[], None] = field(compare=False)
+
+
+class SequencedRunner:
+    """Runs one model's jobs one at a time, in seq_id order, on its own thread.
+
+    A job whose predecessor (seq_id - 1) has not arrived waits for it up to `gap_wait` s, then runs anyway: the
+    SDK's ids are consecutive, but a request that failed on the client before it was sent would otherwise stop
+    the model for good. Jobs without a seq_id run in arrival order after those queued with one.
+    """
+
+    def __init__(self, name: str, gap_wait: float = 2.0) -> None:
+        self.gap_wait = gap_wait
+        self._cv = threading.Condition()
+        self._heap: list[_Job] = []
+        self._order = itertools.count()
+        self._last = 0  # the seq_id of the last job run (the SDK's first is 1)
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name=f"tinker-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, seq_id: int | None, fn: Callable[[], None]) -> None:
+        with self._cv:
+            seq = seq_id if seq_id is not None else UNSEQUENCED
+            heapq.heappush(self._heap, _Job(seq, next(self._order), fn))
+            self._cv.notify_all()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+
+    def _next(self) -> _Job | None:
+        with self._cv:
+            deadline = None
+            while not self._stopped:
+                if self._heap:
+                    head = self._heap[0]
+                    if head.seq <= self._last + 1 or head.seq >= UNSEQUENCED:
+                        return heapq.heappop(self._heap)
+                    deadline = deadline or time.monotonic() + self.gap_wait
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return heapq.heappop(self._heap)
+                    self._cv.wait(left)
+                else:
+                    deadline = None
+                    self._cv.wait()
+            return None
+
+    def _loop(self) -> None:
+        while (job := self._next()) is not None:
+            if job.seq < UNSEQUENCED:
+                self._last = max(self._last, job.seq)
+            job.fn()

@@ -1,0 +1,149 @@
+"""One training client's model: Tinker's forward_backward (per-token log-probs and loss, gradients accumulated)
+and optim_step (Adam with the step's own parameters) on a PolicyTrainer, which builds the megatron model, its
+LoRA adapters or full weights, the fp32 masters and AdamW, and writes weight versions.
+
+Not the RL path (PolicyTrainer.train_rollout plans micro-batches from rollout rows and computes its own
+advantages); Tinker hands over finished per-token inputs, so this scores them directly with `logprobs_at`.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
+from sluiceway.flows.tinker.futures import TinkerUserError, not_implemented
+from sluiceway.flows.tinker.wire import DatumIn
+
+# What each implemented loss reads of loss_fn_inputs (Tinker's names; docs/tinker.md).
+LOSS_INPUTS = {
+    "cross_entropy": ("target_tokens", "weights"),
+    "importance_sampling": ("target_tokens", "logprobs", "advantages"),
+}
+KNOWN_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+
+
+class TinkerModel:
+    def __init__(self, model_id: str, hf_dir: Path, lora_rank: int, seed: int | None, device: str) -> None:
+        from sluiceway.models.zoo import load_tokenizer
+        from sluiceway.tasks.train.trainer import PolicyTrainer
+
+        self.model_id, self.hf_dir, self.lora_rank = model_id, Path(hf_dir), lora_rank
+        self.tokenizer = load_tokenizer(hf_dir)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        # bf16 where a GPU trains; fp32 on a CPU. clip_grad 0: the step's AdamParams.grad_clip_norm decides.
+        training = TrainingConfig(hf_checkpoint=str(hf_dir), lora_rank=lora_rank, bf16=device != "cpu",
+                                  clip_grad=0.0, seed=1234 if seed is None else seed)  # fmt: skip
+        self.trainer = PolicyTrainer(hf_dir, training, AlgorithmConfig(), 1.0, pad, device=device)
+        self.vocab = self.trainer.hf_config.vocab_size
+        self.steps = 0  # optimizer steps taken
+        self.saved = 0  # weight versions written (their directory numbers)
+        self.lock = threading.Lock()  # the runner thread trains; get_info only reads
+
+    def forward_backward(
+        self, data: list[DatumIn], loss_fn: str, config: dict, forward_only: bool
+    ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
+        """Per-datum outputs (`logprobs`, `elementwise_loss`) and metrics (`loss:sum`); with a backward, the loss's
+        gradient is added to what earlier calls accumulated, until optim_step applies it (Tinker's semantics)."""
+        if loss_fn not in LOSS_INPUTS:
+            if loss_fn in KNOWN_LOSSES:
+                raise not_implemented(f"the loss function {loss_fn!r} (implemented: {', '.join(LOSS_INPUTS)})")
+            raise TinkerUserError(f"unknown loss function {loss_fn!r} (implemented: {', '.join(LOSS_INPUTS)})")
+        if config:
+            raise not_implemented(f"loss_fn_config for {loss_fn} (given {sorted(config)})")
+        if not data:
+            raise TinkerUserError("forward_backward needs at least one datum")
+        tensors = [self._check(i, d, loss_fn) for i, d in enumerate(data)]
+        t = self.trainer
+        with self.lock, torch.set_grad_enabled(not forward_only):
+            t.model.train(not forward_only)
+            logps = self._logprobs([d.tokens for d in data], [x["target_tokens"] for x in tensors])
+            losses = []
+            for lp, inputs in zip(logps, tensors):
+                if loss_fn == "cross_entropy":  # -sum(weights * log p(target))
+                    losses.append(-(inputs["weights"] * lp))
+                else:  # importance_sampling: -sum(p / q * advantages), q the sampler's probability
+                    ratio = torch.exp(lp - inputs["logprobs"])
+                    losses.append(-(ratio * inputs["advantages"]))
+            total = torch.stack([x.sum() for x in losses]).sum()
+            if not forward_only:
+                total.backward()
+        outputs = [
+            {"logprobs": lp.detach().float().cpu().numpy(), "elementwise_loss": x.detach().float().cpu().numpy()}
+            for lp, x in zip(logps, losses)
+        ]  # fmt: skip
+        return outputs, {"loss:sum": float(total.detach())}
+
+    def _check(self, i: int, d: DatumIn, loss_fn: str) -> dict[str, torch.Tensor]:
+        """The datum's loss inputs as tensors on the trainer's device, each the length of its tokens."""
+        n = len(d.tokens)
+        if n == 0:
+            raise TinkerUserError(f"datum {i}: empty model_input")
+        if any(not 0 <= tok < self.vocab for tok in d.tokens):
+            raise TinkerUserError(f"datum {i}: a token id outside the vocabulary [0, {self.vocab})")
+        out = {}
+        for name in LOSS_INPUTS[loss_fn]:
+            if name not in d.inputs:
+                if name == "weights":  # Tinker's default: every target counts
+                    out[name] = torch.ones(n, device=self.trainer.device)
+                    continue
+                raise TinkerUserError(f"datum {i}: {loss_fn} needs loss_fn_inputs[{name!r}]")
+            a = np.asarray(d.inputs[name])
+            if a.ndim != 1 or a.shape[0] != n:
+                raise TinkerUserError(
+                    f"datum {i}: loss_fn_inputs[{name!r}] has shape {list(a.shape)}, expected [{n}] (one per token;"
+                    " 2-D targets are not implemented)"
+                )
+            dtype = torch.long if name == "target_tokens" else torch.float32
+            out[name] = torch.as_tensor(a, dtype=dtype, device=self.trainer.device)
+        if not bool(((out["target_tokens"] >= 0) & (out["target_tokens"] < self.vocab)).all()):
+            raise TinkerUserError(f"datum {i}: a target token outside the vocabulary [0, {self.vocab})")
+        return out
+
+    def _logprobs(self, token_lists: list[list[int]], targets: list[torch.Tensor]) -> list[torch.Tensor]:
+        """log p(target_t | tokens[:t+1]) for every position of every datum, in one batch padded on the right
+        (the attention is causal, so padding after a datum changes none of its positions)."""
+        from sluiceway.models.megatron_gpt import logprobs_at
+
+        t = self.trainer
+        width = max(len(x) for x in token_lists)
+        ids = torch.full((len(token_lists), width), t.pad_token_id, dtype=torch.long)
+        for r, toks in enumerate(token_lists):
+            ids[r, : len(toks)] = torch.as_tensor(toks)
+        rows = torch.cat([torch.full((len(x),), r, dtype=torch.long) for r, x in enumerate(token_lists)])
+        positions = torch.cat([torch.arange(len(x)) for x in token_lists])
+        dev = t.device
+        logp, _ = logprobs_at(t.model, ids.to(dev), rows.to(dev), positions.to(dev), torch.cat(targets).to(dev), 1.0)
+        return list(torch.split(logp, [len(x) for x in token_lists]))
+
+    def optim_step(self, params: dict) -> dict[str, float]:
+        from sluiceway.tasks.train.optim import step_master_weights
+
+        t = self.trainer
+        with self.lock:
+            for g in t.optimizer.param_groups:
+                g["lr"] = float(params.get("learning_rate", 1e-4))
+                g["betas"] = (float(params.get("beta1", 0.9)), float(params.get("beta2", 0.95)))
+                g["eps"] = float(params.get("eps", 1e-12))
+                g["weight_decay"] = float(params.get("weight_decay", 0.0))
+            norm = step_master_weights(t.trainable, t.master, t.optimizer, t.scheduler, t.tp_flags,
+                                       float(params.get("grad_clip_norm", 0.0)), t.mixed_precision, None,
+                                       t.rounding)  # fmt: skip
+            # The schedule's step reset lr to its own; the next optim_step sets it again from its params.
+            self.steps += 1
+            t.weight_version = self.steps
+        return {"grad_norm:mean": float(norm), "learning_rate:mean": float(params.get("learning_rate", 1e-4))}
+
+    def save_for_sampler(self, root: Path) -> Path:
+        """The current weights as a new HF model directory under `root` (adapters merged), for an engine to load.
+        Every save keeps its own directory (keep=0): a sampler path the client holds must stay valid."""
+        from sluiceway.tasks.sync.disk import write_weight_version
+
+        with self.lock:
+            self.saved += 1
+            state = self.trainer.hf_state_dict(include_tied_lm_head=False)
+            dtype = "bfloat16" if self.trainer.mixed_precision else None
+            return write_weight_version(state, self.hf_dir, root, self.saved, keep=0, dtype=dtype)
