@@ -26,6 +26,7 @@ from sluiceway.flows.engines import RolloutEngines
 from sluiceway.flows.live_run import live, open_run
 from sluiceway.flows.precision import resolve_precision
 from sluiceway.flows.scaffold import make_run_dir, open_store
+from sluiceway.flows.slime.flag_table import slime_flag_switches
 from sluiceway.infra.errors import Fault, UserError
 from sluiceway.infra.sglang_launcher import require_sglang
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
@@ -37,6 +38,7 @@ from sluiceway.tasks.reward.score import RewardSettings
 from sluiceway.tasks.reward.settings import build_reward_settings
 from sluiceway.tasks.rollout.prompts import build_rollout_settings, eval_rollout_settings, load_eval_prompts
 from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings
+from sluiceway.tasks.rollout.slime_plugins.args import slime_args
 
 _VERSION_DIR = re.compile(r"v(\d{6})")
 
@@ -68,8 +70,9 @@ def prepare_eval(cfg: RunConfig) -> EvalPrepared:
     if cfg.rollout.rollout_engine == "sglang":
         require_sglang()
     store = open_store(cfg)
-    rewards = build_reward_settings(cfg)
     hf_dir, version = resolve_model(cfg.training.hf_checkpoint)
+    slime = slime_args(cfg, hf_dir, slime_flag_switches())  # one `args` for slime-style generate and rm
+    rewards = build_reward_settings(cfg, slime)
     # A run's published weights: checked once, before the engines load them, against the run's record of them.
     problem = version_problem(hf_dir, version) if _VERSION_DIR.fullmatch(hf_dir.name) else checksums_problem(hf_dir)
     if problem is not None:
@@ -82,7 +85,7 @@ def prepare_eval(cfg: RunConfig) -> EvalPrepared:
     empty = [name for name, items in prompts.items() if not items]
     if empty:
         raise UserError(f"--eval-prompt-data: set {empty[0]!r} has no prompts")
-    settings = eval_rollout_settings(cfg, build_rollout_settings(cfg, tokenizer, hf_dir))
+    settings = eval_rollout_settings(cfg, build_rollout_settings(cfg, tokenizer, hf_dir, slime))
     return EvalPrepared(store, hf_dir, version, tokenizer, prompts, rewards, settings)
 
 

@@ -36,7 +36,6 @@ from sluiceway.tasks.filter.filters import build_filters
 from sluiceway.tasks.reward.score import rescore_non_finite, score_step
 from sluiceway.tasks.rollout.prompts import adaptive_step_prompts, eval_rollout_settings
 from sluiceway.tasks.rollout.rollout import plan_step, prompt_indices_for_step, run_rollout
-from sluiceway.tasks.rollout.slime_plugins.args import shared_args
 from sluiceway.tasks.train.batch import build_train_samples, max_staleness, rollout_metrics
 
 # The model state lives in the process, so Prefect must not cache these tasks; idempotency comes from
@@ -155,7 +154,7 @@ def teacher_task(run_id: str, step: int) -> dict:
 def filter_task(run_id: str, step: int) -> dict:
     rt = runtime.get(run_id)
     filters = build_filters(rt.cfg.rollout, current_version=rt.trainer.weight_version,
-                            slime_args=lambda: shared_args(rt.cfg, rt.prep.hf_dir))  # fmt: skip
+                            slime_args=lambda: rt.prep.slime_args)  # fmt: skip
     return filter_step(store=rt.store, run_id=run_id, step=step, filters=filters).metrics()
 
 

@@ -7,6 +7,7 @@ checkpoints -- is in the tables or the run directory, which is what a restarted 
 
 from __future__ import annotations
 
+import argparse
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from sluiceway.flows.engines import RolloutEngines
 from sluiceway.flows.live_run import LiveRun, live
 from sluiceway.flows.opd import TeacherEngine, has_teacher_engine
 from sluiceway.flows.scaffold import build_run_trainer, check_device, close_trainer, make_run_dir, open_store
+from sluiceway.flows.slime.flag_table import slime_flag_switches
 from sluiceway.infra.errors import UserError
 from sluiceway.infra.sglang_launcher import require_sglang
 from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
@@ -30,7 +32,7 @@ from sluiceway.tasks.reward.score import RewardSettings
 from sluiceway.tasks.reward.settings import build_reward_settings
 from sluiceway.tasks.rollout.prompts import build_rollout_settings, load_dataset, load_eval_prompts, render_items
 from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings
-from sluiceway.tasks.rollout.slime_plugins.args import shared_args
+from sluiceway.tasks.rollout.slime_plugins.args import slime_args
 from sluiceway.tasks.sync.disk import settle_versions
 from sluiceway.tasks.sync.publish import sync_due, sync_weights, weight_publisher
 from sluiceway.tasks.train.remote import RemoteTrainer
@@ -52,6 +54,7 @@ class Prepared:
     eval_prompts: dict[str, list[PromptItem]]  # evaluation set name -> prompts
     rollout_filter: Callable | None  # dynamic sampling: scores a finished group and may drop it
     adaptive: AdaptivePromptSource | None  # prompts generated per step at adaptive difficulty
+    slime_args: argparse.Namespace  # the one `args` slime-style plugins get (tasks/rollout/slime_plugins/args.py)
 
 
 def prepare(cfg: RunConfig) -> Prepared:
@@ -59,19 +62,20 @@ def prepare(cfg: RunConfig) -> Prepared:
         require_sglang()
     check_device(cfg)
     store = open_store(cfg)
-    reward_settings = build_reward_settings(cfg)
+    hf_dir = resolve_checkpoint(cfg.training.hf_checkpoint)
+    slime = slime_args(cfg, hf_dir, slime_flag_switches())
+    reward_settings = build_reward_settings(cfg, slime)
     rows = load_dataset(cfg, store, cfg.data.prompt_data, cfg.data.env_size, cfg.training.seed)
     if len(rows) == 0:
         raise UserError(f"--prompt-data {cfg.data.prompt_data}: no prompts")
-    hf_dir = resolve_checkpoint(cfg.training.hf_checkpoint)
     rollout_filter = None
     if (path := cfg.rollout.dynamic_sampling_filter_path) is not None:
-        dynamic = user_filter(path, cfg.rollout.plugin_convention, lambda: shared_args(cfg, hf_dir))
+        dynamic = user_filter(path, cfg.rollout.plugin_convention, lambda: slime)
         rollout_filter = scoring_filter(reward_settings, [dynamic])
     tokenizer = load_tokenizer(hf_dir)
     prompts = render_items(cfg, tokenizer, rows)
     eval_prompts = load_eval_prompts(cfg, store, tokenizer) if cfg.eval.eval_interval else {}
-    settings = build_rollout_settings(cfg, tokenizer, hf_dir)
+    settings = build_rollout_settings(cfg, tokenizer, hf_dir, slime)
     adaptive = None
     if cfg.data.adaptive_difficulty:
         d = cfg.data
@@ -87,7 +91,7 @@ def prepare(cfg: RunConfig) -> Prepared:
             min_samples=d.difficulty_min_samples,
         )
     return Prepared(
-        store, hf_dir, tokenizer, prompts, reward_settings, settings, eval_prompts, rollout_filter, adaptive
+        store, hf_dir, tokenizer, prompts, reward_settings, settings, eval_prompts, rollout_filter, adaptive, slime
     )
 
 

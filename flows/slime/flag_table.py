@@ -14,7 +14,6 @@ from typing import Any
 from sluiceway.flows.slime.architecture import ARCH_FLAGS
 from sluiceway.flows.slime.treatments import IMPLEMENTED, MAPPED, NOT_APPLICABLE, REFUSED, Flag
 from sluiceway.infra.errors import UserError
-from sluiceway.tasks.rollout.slime_plugins.args import register_slime_flags
 
 # -- run flags ----------------------------------------------------------------------------------------------
 
@@ -326,4 +325,9 @@ HOOK_FLAGS: dict[str, Flag] = {
 }
 
 SLIME_FLAGS: dict[str, Flag] = {**RUN_FLAGS, **HOOK_FLAGS, **ARCH_FLAGS}
-register_slime_flags({flag: spec.nargs == 0 for flag, spec in SLIME_FLAGS.items()})  # slime's `args` has them all
+
+
+def slime_flag_switches() -> dict[str, bool]:
+    """Every slime flag of the tables -> whether it is a switch: slime's `args` has them all
+    (tasks/rollout/slime_plugins/args.py `slime_args`)."""
+    return {flag: spec.nargs == 0 for flag, spec in SLIME_FLAGS.items()}

@@ -9,7 +9,8 @@ from sluiceway.tasks.reward.score import RewardSettings
 from sluiceway.tasks.reward.scorer_registry import get_scorer, remote_group_scorer
 
 
-def build_reward_settings(cfg: RunConfig) -> RewardSettings:
+def build_reward_settings(cfg: RunConfig, slime_args=None) -> RewardSettings:
+    """`slime_args`: the run's slime `args` for a scorer in slime's convention (a new one when none is given)."""
     rw = cfg.reward
     if rw.group_rm and not rw.custom_rm_path:
         raise UserError("--group-rm needs --custom-rm-path (a function scoring a whole group)")
@@ -18,13 +19,13 @@ def build_reward_settings(cfg: RunConfig) -> RewardSettings:
             register_secret_env(rw.rm_api_key_env)  # never passed on to a child process
         scorer, group_rm = remote_group_scorer(rw.rm_url, rw.rm_api_key_env, rw.reward_timeout_s), True
     else:
-        scorer, group_rm = slime_reward(cfg) or get_scorer(rw.rm_type, rw.custom_rm_path), rw.group_rm
+        scorer, group_rm = slime_reward(cfg, slime_args) or get_scorer(rw.rm_type, rw.custom_rm_path), rw.group_rm
     # The remote model retries within its own deadline; the stage's limit covers a whole group's batch.
     timeout = rw.reward_timeout_s * 4 if rw.rm_type == "remote" else rw.reward_timeout_s
     return RewardSettings(scorer, timeout, group_rm, rw.reward_key, rw.length_penalty_budget, rw.length_penalty_window)
 
 
-def slime_reward(cfg: RunConfig):
+def slime_reward(cfg: RunConfig, args=None):
     """A scorer in slime's convention, or None: --custom-rm-path speaking slime's (args, sample) / (args, samples),
     or an --rm-type only slime's rm_hub knows (boxed_*, remote_rm, random) (tasks/rollout/slime_plugins/reward.py)."""
     from sluiceway.tasks.reward.scorer_registry import RM_TYPES
@@ -38,10 +39,10 @@ def slime_reward(cfg: RunConfig):
         hook = GROUP_RM if rw.group_rm else RM
         if convention_of(fn, hook, cfg.rollout.plugin_convention, rw.custom_rm_path) != SLIME:
             return None
-        return slime.slime_scorer(fn, _args(cfg), rw.group_rm)
+        return slime.slime_scorer(fn, args or _args(cfg), rw.group_rm)
     if rw.rm_type in RM_TYPES or not is_rm_hub_type(rw.rm_type):
         return None
-    return slime.rm_hub_scorer(_args(cfg))
+    return slime.rm_hub_scorer(args or _args(cfg))
 
 
 def is_rm_hub_type(rm_type: str) -> bool:
@@ -52,6 +53,6 @@ def is_rm_hub_type(rm_type: str) -> bool:
 
 def _args(cfg: RunConfig):
     from sluiceway.models.zoo import resolve_checkpoint
-    from sluiceway.tasks.rollout.slime_plugins.args import shared_args
+    from sluiceway.tasks.rollout.slime_plugins.args import slime_args
 
-    return shared_args(cfg, resolve_checkpoint(cfg.training.hf_checkpoint))
+    return slime_args(cfg, resolve_checkpoint(cfg.training.hf_checkpoint))

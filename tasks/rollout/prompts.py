@@ -89,7 +89,8 @@ def stop_token_ids(tokenizer, hf_dir: Path) -> list[int]:
     return sorted(ids)
 
 
-def build_rollout_settings(cfg: RunConfig, tokenizer, hf_dir: Path) -> RolloutSettings:
+def build_rollout_settings(cfg: RunConfig, tokenizer, hf_dir: Path, slime_args=None) -> RolloutSettings:
+    """`slime_args`: the run's slime `args`, for a generate function in slime's convention."""
     r = cfg.rollout
     return RolloutSettings(
         n_samples=r.n_samples_per_prompt, max_new_tokens=r.rollout_max_response_len,
@@ -97,7 +98,7 @@ def build_rollout_settings(cfg: RunConfig, tokenizer, hf_dir: Path) -> RolloutSe
         seed=cfg.training.seed, groups_needed=r.rollout_batch_size,
         groups_submitted=r.over_sampling_batch_size or r.rollout_batch_size, max_concurrency=r.rollout_max_concurrency,
         partial_rollout=r.partial_rollout, mask_offpolicy=r.mask_offpolicy_in_partial_rollout,
-        custom_generate=load_generate(cfg, hf_dir) if r.custom_generate_function_path
+        custom_generate=load_generate(cfg, hf_dir, slime_args) if r.custom_generate_function_path
         else AgentGenerate(load_agent_function(r.agent_function_path)) if r.agent_function_path
         else None, tokenizer=tokenizer, max_prompt_len=r.rollout_max_prompt_len,
     )  # fmt: skip

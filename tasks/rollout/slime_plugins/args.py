@@ -15,13 +15,15 @@ slime hands every hook its parsed command line; plugins read it freely (`args.sg
   not have (`rollout_top_k` -1, `rollout_stop` None, ...);
 - slime's `--custom-config-path` YAML last: each top-level key set on `args` as YAML gives it (slime_validate_args).
 
-One Namespace per run config (`shared_args`): slime has one `args`, and plugins that set attributes on it (slime's
-multi_agent example does) must see them in every hook.
+One Namespace per run: slime has one `args`, and plugins that set attributes on it (slime's multi_agent example
+does) must see them in every hook. The run's set-up builds it once (flows/runtime.py `prepare`, flows/eval.py) and
+hands the same object to the generate, reward and filter builders.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -53,20 +55,13 @@ SLIME_DEFAULTS = {
     "rollout_sample_hook_path": [],
 }
 
-_shared: dict[int, tuple[object, argparse.Namespace]] = {}
-# slime's flags that are not config fields -> whether each is a switch: flows/slime/flag_table.py registers them
-# (tasks/ never import flows/ but the config)
-SLIME_ONLY_FLAGS: dict[str, bool] = {}
 
-
-def register_slime_flags(flags: dict[str, bool]) -> None:
-    SLIME_ONLY_FLAGS.update(flags)
-
-
-def slime_args(cfg, hf_dir: str | Path) -> argparse.Namespace:
-    """A fresh Namespace for `cfg` (a RunConfig) whose model is at `hf_dir`."""
+def slime_args(cfg, hf_dir: str | Path, slime_flags: Mapping[str, bool] | None = None) -> argparse.Namespace:
+    """A fresh Namespace for `cfg` (a RunConfig) whose model is at `hf_dir`. `slime_flags`: slime's flags that
+    are not config fields -> whether each is a switch (flows/slime/flag_table.py `slime_flag_switches`; tasks/
+    never import flows/), each an attribute at slime's default."""
     ns = argparse.Namespace()
-    for flag, switch in SLIME_ONLY_FLAGS.items():  # first: a field of the same name (none should be) wins below
+    for flag, switch in (slime_flags or {}).items():  # first: a field of the same name (none should be) wins below
         setattr(ns, attr_name(flag), False if switch else None)
     for key, value in SLIME_DEFAULTS.items():
         setattr(ns, key, list(value) if isinstance(value, list) else value)
@@ -92,14 +87,6 @@ def slime_args(cfg, hf_dir: str | Path) -> argparse.Namespace:
     if r.custom_config_path:
         apply_custom_config(ns, r.custom_config_path)
     return ns
-
-
-def shared_args(cfg, hf_dir: str | Path) -> argparse.Namespace:
-    """The one Namespace of the run `cfg` describes (built at the first call): every hook gets the same object."""
-    held = _shared.get(id(cfg))
-    if held is None or held[0] is not cfg:
-        held = _shared[id(cfg)] = (cfg, slime_args(cfg, hf_dir))
-    return held[1]
 
 
 def attr_name(flag: str) -> str:

@@ -229,9 +229,10 @@ class SlimeGenerate:
         return generation_of_sample(out, args, latency)
 
 
-def load_generate(cfg, hf_dir):
-    """What --custom-generate-function-path runs: sluiceway's function as it is, or slime's behind `SlimeGenerate`."""
-    from sluiceway.tasks.rollout.slime_plugins.args import shared_args
+def load_generate(cfg, hf_dir, args=None):
+    """What --custom-generate-function-path runs: sluiceway's function as it is, or slime's behind `SlimeGenerate`
+    with the run's slime `args` (a new one when none is given)."""
+    from sluiceway.tasks.rollout.slime_plugins.args import slime_args
     from sluiceway.tasks.rollout.slime_plugins.convention import GENERATE, SLIME, convention_of, load_plugin
 
     r = cfg.rollout
@@ -241,4 +242,4 @@ def load_generate(cfg, hf_dir):
         raise UserError(f"{flag} {path}: '{getattr(fn, '__name__', fn)}' must be an async function")
     if convention_of(fn, GENERATE, r.plugin_convention, path) != SLIME:
         return fn
-    return SlimeGenerate(fn, path, shared_args(cfg, hf_dir), cfg.data.apply_chat_template)
+    return SlimeGenerate(fn, path, args or slime_args(cfg, hf_dir), cfg.data.apply_chat_template)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from sluiceway.flows.config import RunConfig, field_flags
-from sluiceway.flows.slime.flag_table import SLIME_FLAGS
+from sluiceway.flows.slime.flag_table import SLIME_FLAGS, slime_flag_switches
 from sluiceway.infra.errors import UserError
 from sluiceway.tasks.rollout.slime_plugins import provide_slime_names
 from sluiceway.tasks.rollout.slime_plugins.args import attr_name, set_router, slime_args
@@ -88,7 +88,7 @@ def test_dotted_path_loads_as_slime_does(tmp_path, monkeypatch):
 
 
 def test_args_have_slime_names_for_every_flag(tmp_path):
-    ns = slime_args(cfg(rollout_max_context_len=1024), tmp_path)
+    ns = slime_args(cfg(rollout_max_context_len=1024), tmp_path, slime_flag_switches())  # as runs build it
     for flag in [*SLIME_FLAGS, *field_flags()]:
         assert hasattr(ns, attr_name(flag)), flag
     for name in ("sglang_router_ip", "sglang_router_port", "rollout_max_context_len", "partial_rollout",
