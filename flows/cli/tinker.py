@@ -13,6 +13,12 @@ def add_parser(sub) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--work-dir", default=".sluiceway/tinker", help="where saved sampler weights are written")
     s.add_argument("--device", default="cpu", help="the trainer's device: cpu or cuda")
+    s.add_argument("--store", default=None,
+                   help="where requests, samples, results and saved states are kept: a local path or "
+                        "s3://bucket/prefix (default WORK_DIR/store)")  # fmt: skip
+    s.add_argument("--server-id", default="tinker",
+                   help="this server's name on the store; a server started again with the same store and id "
+                        "answers its earlier requests and loads its saved states")  # fmt: skip
 
 
 def run(args) -> int:
@@ -23,13 +29,17 @@ def run(args) -> int:
 
     from sluiceway.flows.tinker.app import ServerState, build_app
     from sluiceway.models.zoo import resolve_checkpoint
+    from sluiceway.storage.object_store import ObjectStore
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     base_dir = resolve_checkpoint(args.base_model)
     work_dir = Path(args.work_dir).resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
-    state = ServerState(args.base_model, Path(base_dir), work_dir, device=args.device)
-    print(f"sluiceway tinker: serving {args.base_model} on http://{args.host}:{args.port}", flush=True)
+    store = ObjectStore.from_uri(args.store or str(work_dir / "store"))
+    state = ServerState(args.base_model, Path(base_dir), work_dir, device=args.device, store=store,
+                        server_id=args.server_id)  # fmt: skip
+    print(f"sluiceway tinker: serving {args.base_model} on http://{args.host}:{args.port} (store {store}, "
+          f"server id {args.server_id})", flush=True)  # fmt: skip
     try:
         uvicorn.run(build_app(state), host=args.host, port=args.port, log_level="warning")
     finally:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import tempfile
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +31,7 @@ from sluiceway.flows.tinker.futures import (
     not_implemented,
 )
 from sluiceway.flows.tinker.wire import decompress, forward_backward_output, parse_forward_backward, sample_response
+from sluiceway.storage.object_store import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +39,6 @@ POLL_WAIT_S = 10.0  # how long retrieve_future holds a pending request before tr
 
 # Routes the SDK calls whose answer is a future, not implemented here: their future fails, naming the call.
 FUTURE_ROUTES_NOT_IMPLEMENTED = {
-    "save_weights": "save_weights (save_state)",
-    "load_weights": "load_weights (load_state, create_training_client_from_state)",
     "save_weights_external": "save_weights_external",
     "unload_model": "unload_model",
     "create_custom_loss": "server-side custom losses (custom_loss_server_side is off: they run on the client)",
@@ -50,7 +51,9 @@ class ServerState:
     base_dir: Path  # its local HF directory
     work_dir: Path  # where sampler weights are written
     device: str = "cpu"
-    futures: FutureStore = field(default_factory=FutureStore)
+    store: ObjectStore | None = None  # where the journal, saved states and tables go (--store)
+    server_id: str = "tinker"  # this server's name on the store (--server-id): a restart with the same one resumes
+    futures: FutureStore | None = None
     sessions: dict[str, dict] = field(default_factory=dict)
     models: dict[str, Any] = field(default_factory=dict)  # model_id -> TinkerModel, once created
     runners: dict[str, SequencedRunner] = field(default_factory=dict)
@@ -64,6 +67,10 @@ class ServerState:
         from sluiceway.flows.tinker.sampler import Samplers
 
         self.samplers = self.samplers or Samplers()
+        if self.futures is None:
+            from sluiceway.flows.tinker.journal import Journal
+
+            self.futures = FutureStore(Journal(self.store, self.server_id) if self.store is not None else None)
 
     def close(self) -> None:
         for r in self.runners.values():
@@ -71,10 +78,58 @@ class ServerState:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.samplers.close()
 
+    def session(self, sid: str) -> dict | None:
+        """A session of this server: in memory, or one a server before a restart created (from the store), so
+        a client's ServiceClient carries on across a restart."""
+        if sid in self.sessions:
+            return self.sessions[sid]
+        if self.store is None or not re.match(r"^session-[0-9a-f]{16}$", sid):
+            return None
+        from sluiceway.storage.tinker import read_json, server_path
+
+        found = read_json(self.store, server_path(self.store, self.server_id, "sessions", f"{sid}.json"))
+        if found is not None:
+            self.sessions.setdefault(sid, found)
+        return found
+
+    def save_session(self, sid: str, session: dict) -> None:
+        self.sessions[sid] = session
+        if self.store is not None:
+            from sluiceway.storage.tinker import server_path, write_json
+
+            write_json(self.store, server_path(self.store, self.server_id, "sessions", f"{sid}.json"), session)
+
+    def save_sampler_dir(self, tinker_path: str, path: Path) -> None:
+        self.sampler_dirs[tinker_path] = path
+        if self.store is not None:  # the directory is local (--work-dir): it outlives a restart on this machine
+            from sluiceway.storage.tinker import server_path, write_json
+
+            where = server_path(self.store, self.server_id, "sampler_weights", sampler_key(tinker_path))
+            write_json(self.store, where, {"tinker_path": tinker_path, "dir": str(path)})
+
+    def sampler_dir(self, tinker_path: str) -> Path:
+        """The model directory a save_weights_for_sampler path names (one saved before a restart too)."""
+        if tinker_path in self.sampler_dirs:
+            return self.sampler_dirs[tinker_path]
+        found = None
+        if self.store is not None:
+            from sluiceway.storage.tinker import read_json, server_path
+
+            found = read_json(self.store, server_path(self.store, self.server_id, "sampler_weights",
+                                                      sampler_key(tinker_path)))  # fmt: skip
+        if found is None or not Path(found["dir"]).is_dir():
+            raise TinkerUserError(f"unknown model_path {tinker_path!r}: give a path save_weights_for_sampler "
+                                  "returned by this server (its weights are in the server's --work-dir)")  # fmt: skip
+        self.sampler_dirs[tinker_path] = Path(found["dir"])
+        return self.sampler_dirs[tinker_path]
+
     def model(self, model_id: str):
         m = self.models.get(model_id)
         if m is None:
-            raise TinkerUserError(f"unknown model_id {model_id!r} (create it first; models do not outlive a restart)")
+            raise TinkerUserError(
+                f"unknown model_id {model_id!r} (create it first; after a server restart, "
+                "resume from a saved state: create_training_client_from_state)"
+            )
         return m
 
     def matches_base(self, name: str | None) -> bool:
@@ -99,9 +154,10 @@ def future_response(rid: str, model_id: str | None = None, **extra) -> JSONRespo
 
 
 def build_app(state: ServerState) -> Starlette:
-    def submit(model_id: str, seq_id: int | None, fn) -> str:
-        """Queue `fn` on the model's runner (its seq_id order) and answer its request id at once."""
-        rid = state.futures.new()
+    def submit(model_id: str, seq_id: int | None, fn, **info) -> str:
+        """Queue `fn` on the model's runner (its seq_id order) and answer its request id at once; `info` describes
+        the request for its row in the journal."""
+        rid = state.futures.new(model_id=model_id, seq_id=seq_id, **info)
         with state.lock:
             runner = state.runners.get(model_id)
         if runner is None:
@@ -110,8 +166,8 @@ def build_app(state: ServerState) -> Starlette:
             runner.submit(seq_id, lambda: state.futures.run(rid, fn))
         return rid
 
-    def failed_future(exc: TinkerUserError) -> JSONResponse:
-        rid = state.futures.new()
+    def failed_future(exc: TinkerUserError, **info) -> JSONResponse:
+        rid = state.futures.new(**info)
         state.futures.finish(rid, Result(error=str(exc), category="user"))
         return future_response(rid)
 
@@ -133,13 +189,13 @@ def build_app(state: ServerState) -> Starlette:
     async def create_session(request: Request) -> Response:
         req = await parse(request, types.CreateSessionRequest)
         sid = f"session-{uuid.uuid4().hex[:16]}"
-        state.sessions[sid] = {"tags": req.tags, "sdk_version": req.sdk_version}
+        state.save_session(sid, {"tags": req.tags, "sdk_version": req.sdk_version})
         return JSONResponse(types.CreateSessionResponse(session_id=sid).model_dump(mode="json"))
 
     async def heartbeat(request: Request) -> Response:
         req = await parse(request, types.SessionHeartbeatRequest)
-        if req.session_id not in state.sessions:
-            return error(404, f"unknown session {req.session_id!r} (sessions do not outlive a server restart)")
+        if state.session(req.session_id) is None:
+            return error(404, f"unknown session {req.session_id!r}")
         if "finished" in state.sessions[req.session_id]:
             return error(410, f"session {req.session_id!r} has finished")  # the SDK stops its heartbeat on 410
         return JSONResponse(types.SessionHeartbeatResponse().model_dump(mode="json"))
@@ -147,10 +203,12 @@ def build_app(state: ServerState) -> Starlette:
     async def finish_session(request: Request) -> Response:
         """ServiceClient.close(status): the session ends (first reason wins) and its models are let go."""
         sid = request.path_params["session_id"]
-        if sid not in state.sessions:
+        session = state.session(sid)
+        if session is None:
             return error(404, f"unknown session {sid!r}")
         body = await request.json()
-        state.sessions[sid].setdefault("finished", (body.get("reason") or {}).get("type"))
+        if "finished" not in session:
+            state.save_session(sid, {**session, "finished": (body.get("reason") or {}).get("type")})
         with state.lock:
             for model_id in [m for m in state.runners if m.startswith(f"{sid}:")]:
                 state.runners.pop(model_id).stop()
@@ -161,7 +219,7 @@ def build_app(state: ServerState) -> Starlette:
         from sluiceway.flows.tinker.model import TinkerModel
 
         req = await parse(request, types.CreateModelRequest)
-        if req.session_id not in state.sessions:
+        if state.session(req.session_id) is None:
             raise TinkerUserError(f"unknown session {req.session_id!r}")
         if not state.matches_base(req.base_model):
             raise TinkerUserError(
@@ -186,7 +244,7 @@ def build_app(state: ServerState) -> Starlette:
             log.info("tinker: created %s (%s)", model_id, f"LoRA rank {rank}" if rank else "full weights")
             return Result(json=types.CreateModelResponse(model_id=model_id).model_dump(mode="json"))
 
-        return future_response(submit(model_id, None, build), model_id)
+        return future_response(submit(model_id, None, build, type="create_model"), model_id)
 
     async def get_info(request: Request) -> Response:
         req = await parse(request, types.GetInfoRequest)
@@ -208,9 +266,12 @@ def build_app(state: ServerState) -> Starlette:
 
         def run() -> Result:
             outputs, metrics = m.forward_backward(req.data, req.loss_fn, req.loss_fn_config, req.forward_only)
-            return Result(proto=forward_backward_output(outputs, metrics))
+            return Result(proto=forward_backward_output(outputs, metrics), summary={"metrics": metrics})
 
-        return future_response(submit(req.model_id, req.seq_id, run), req.model_id)
+        info = {"type": "forward" if req.forward_only else "forward_backward", "loss_fn": req.loss_fn,
+                "loss_fn_config": req.loss_fn_config or None, "num_datums": len(req.data),
+                "num_tokens": sum(len(d.tokens) for d in req.data)}  # fmt: skip
+        return future_response(submit(req.model_id, req.seq_id, run, **info), req.model_id)
 
     async def optim_step(request: Request) -> Response:
         req = await parse(request, types.OptimStepRequest)
@@ -220,9 +281,11 @@ def build_app(state: ServerState) -> Starlette:
         params = req.optim_params.model_dump()
 
         def run() -> Result:
-            return Result(json=types.OptimStepResponse(metrics=m.optim_step(params)).model_dump(mode="json"))
+            metrics = m.optim_step(params)
+            return Result(json=types.OptimStepResponse(metrics=metrics).model_dump(mode="json"),
+                          summary={"metrics": metrics})  # fmt: skip
 
-        return future_response(submit(req.model_id, req.seq_id, run), req.model_id)
+        return future_response(submit(req.model_id, req.seq_id, run, type="optim_step"), req.model_id)
 
     async def save_for_sampler(request: Request) -> Response:
         req = await parse(request, types.SaveWeightsForSamplerRequest)
@@ -233,7 +296,7 @@ def build_app(state: ServerState) -> Starlette:
             out: dict[str, Any] = {"type": "save_weights_for_sampler"}
             if req.path is not None:  # a named save: a tinker:// path any client may sample from
                 tinker_path = f"tinker://{req.model_id}/sampler_weights/{req.path}"
-                state.sampler_dirs[tinker_path] = path
+                state.save_sampler_dir(tinker_path, path)
                 out["path"] = tinker_path
             else:  # save_weights_and_get_sampling_client: a sampling session on these weights
                 sid = f"sampler-{uuid.uuid4().hex[:16]}"
@@ -241,17 +304,97 @@ def build_app(state: ServerState) -> Starlette:
                 out["sampling_session_id"] = sid
             return Result(json=out)
 
-        return future_response(submit(req.model_id, req.seq_id, run), req.model_id)
+        return future_response(submit(req.model_id, req.seq_id, run, type="save_weights_for_sampler"), req.model_id)
+
+    def need_store(what: str) -> ObjectStore:
+        if state.store is None:
+            raise TinkerUserError(f"{what} needs a store: start the server with --store")
+        return state.store
+
+    async def save_weights(request: Request) -> Response:
+        """save_state: the trainer's checkpoint (weights and Adam's state) on the store, under
+        tinker/<server_id>/weights/<model_id>/<name>/; answers its tinker://<model_id>/weights/<name> path."""
+        from sluiceway.storage.tinker import state_info, upload_state
+
+        req = await parse(request, types.SaveWeightsRequest)
+        m = state.model(req.model_id)
+        store = need_store("save_state")
+        name = req.path or f"state-{uuid.uuid4().hex[:12]}"
+        check_name(name)
+
+        def run() -> Result:
+            if not req.overwrite and state_info(store, state.server_id, req.model_id, name) is not None:
+                raise TinkerUserError(f"a state named {name!r} was saved already for {req.model_id}; give another "
+                                      "name or overwrite=True")  # fmt: skip
+            with tempfile.TemporaryDirectory(dir=state.work_dir) as tmp:
+                local = Path(tmp) / "state"
+                m.save_state(local)
+                info = {"base_model": state.base_model, "lora_rank": m.lora_rank, "seed": m.seed, "steps": m.steps,
+                        "model_id": req.model_id, "optimizer": "adamw", "user_metadata": req.user_metadata}  # fmt: skip
+                upload_state(store, state.server_id, req.model_id, name, local, info)
+            path = f"tinker://{req.model_id}/weights/{name}"
+            log.info("tinker: saved %s (step %d)", path, m.steps)
+            return Result(json=types.SaveWeightsResponse(path=path, type="save_weights").model_dump(mode="json"))
+
+        return future_response(submit(req.model_id, req.seq_id, run, type="save_weights"), req.model_id)
+
+    async def load_weights(request: Request) -> Response:
+        """load_state / load_state_with_optimizer on an existing model (model_id + seq_id), or
+        create_training_client_from_state(_with_optimizer): a new model made from the saved state (session_id +
+        model_seq_id; its LoRA rank and base model are the checkpoint's)."""
+        from sluiceway.flows.tinker.model import TinkerModel
+        from sluiceway.storage.tinker import download_state, state_info
+
+        req = await parse(request, types.LoadWeightsRequest)
+        store = need_store("load_state")
+        src_model, name = parse_state_path(req.path)
+        if req.session_id is not None:  # create-via-load: the load is the new model's first request
+            if state.session(req.session_id) is None:
+                raise TinkerUserError(f"unknown session {req.session_id!r}")
+            if not state.matches_base(req.base_model):
+                raise TinkerUserError(f"base_model {req.base_model!r}: this server serves {state.base_model!r}")
+            if req.optimizer_config is not None and req.optimizer_config.type != "adamw":
+                raise not_implemented(f"the optimizer {req.optimizer_config.type!r} (only adamw)")
+            model_id = f"{req.session_id}:train:{req.model_seq_id}"
+            with state.lock:
+                if model_id in state.runners:
+                    raise TinkerUserError(f"model {model_id!r} exists already")
+                state.runners[model_id] = SequencedRunner(model_id)
+        else:
+            if req.model_id is None:
+                raise TinkerUserError("load_weights needs model_id or session_id")
+            model_id = req.model_id
+            state.model(model_id)
+
+        def run() -> Result:
+            info = state_info(store, state.server_id, src_model, name)
+            if info is None:
+                raise TinkerUserError(f"{req.path}: no state saved under this name on this server's store "
+                                      f"({state.server_id})")  # fmt: skip
+            if not state.matches_base(info["base_model"]):
+                raise TinkerUserError(f"{req.path} was trained on {info['base_model']!r}; this server serves "
+                                      f"{state.base_model!r}")  # fmt: skip
+            m = state.models.get(model_id)
+            if m is not None and m.lora_rank != info["lora_rank"]:
+                raise TinkerUserError(f"{req.path} has LoRA rank {info['lora_rank']}; this model has {m.lora_rank}")
+            with tempfile.TemporaryDirectory(dir=state.work_dir) as tmp:
+                local = Path(tmp) / "state"
+                download_state(store, state.server_id, src_model, name, local)
+                if m is None:
+                    m = TinkerModel(model_id, state.base_dir, info["lora_rank"], info.get("seed"), state.device)
+                m.load_state(local, req.optimizer)
+            state.models[model_id] = m
+            log.info("tinker: loaded %s into %s (step %d, optimizer %s)", req.path, model_id, m.steps, req.optimizer)
+            body = types.LoadWeightsResponse(path=req.path, model_id=model_id, type="load_weights")
+            return Result(json=body.model_dump(mode="json", exclude_none=True))
+
+        seq = req.seq_id if req.session_id is None else None
+        return future_response(submit(model_id, seq, run, type="load_weights"), model_id)
 
     async def create_sampling_session(request: Request) -> Response:
         req = await parse(request, types.CreateSamplingSessionRequest)
         if req.model_path is not None:
-            path = state.sampler_dirs.get(req.model_path)
-            if path is None:
-                raise TinkerUserError(
-                    f"unknown model_path {req.model_path!r}: give a path save_weights_for_sampler returned by this "
-                    "server (saved weights do not outlive a restart in this version)"
-                )
+            path = state.sampler_dir(req.model_path)
         elif state.matches_base(req.base_model):
             path = state.base_dir
         else:
@@ -275,20 +418,22 @@ def build_app(state: ServerState) -> Starlette:
         if req.sampling_session_id is not None:
             if req.sampling_session_id not in state.sampling_sessions:
                 raise TinkerUserError(f"unknown sampling_session_id {req.sampling_session_id!r}")
-            model_dir = state.sampling_sessions[req.sampling_session_id][0]
+            model_dir, sampler_path = state.sampling_sessions[req.sampling_session_id]
         elif req.model_path is not None:
-            if req.model_path not in state.sampler_dirs:
-                raise TinkerUserError(f"unknown model_path {req.model_path!r}")
-            model_dir = state.sampler_dirs[req.model_path]
+            model_dir, sampler_path = state.sampler_dir(req.model_path), req.model_path
         elif state.matches_base(req.base_model):
-            model_dir = state.base_dir
+            model_dir, sampler_path = state.base_dir, None
         else:
             raise TinkerUserError(f"base_model {req.base_model!r}: this server serves {state.base_model!r}")
-        rid = state.futures.new()
+        prompt_len = req.prompt.length if req.prompt is not None else 0
+        rid = state.futures.new(type="asample", num_datums=req.num_samples)
 
         def run() -> Result:
             seqs, prompt_lps = state.samplers.sample(model_dir, body)
-            return Result(proto=sample_response(seqs, prompt_lps))
+            where = sampler_path or (state.base_model if model_dir == state.base_dir else str(model_dir))
+            rows = sample_rows(rid, body, seqs, req.sampling_session_id, where)
+            summary = {"num_tokens": prompt_len + sum(len(s.tokens) for s in seqs)}
+            return Result(proto=sample_response(seqs, prompt_lps), summary=summary, samples=rows)
 
         state.pool.submit(state.futures.run, rid, run)
         ids = [f"{rid}:{i}" for i in range(req.num_samples)]
@@ -297,7 +442,8 @@ def build_app(state: ServerState) -> Starlette:
     async def retrieve_future(request: Request) -> Response:
         req = await parse(request, types.FutureRetrieveRequest)
         if not state.futures.known(req.request_id):
-            # 404 is final for the SDK; results do not outlive a restart in this version.
+            # 404 is final for the SDK. With a store, a request finished before a restart is known (its result
+            # was written before it was answered); one still running when the server died is not.
             return error(404, f"unknown request_id {req.request_id!r}")
         result = await asyncio.to_thread(state.futures.wait, req.request_id, POLL_WAIT_S)
         if result is None:
@@ -307,14 +453,15 @@ def build_app(state: ServerState) -> Starlette:
             return Response(body, media_type=PROTOBUF)
         return JSONResponse(body)
 
-    def not_implemented_future(what: str):
+    def not_implemented_future(route: str, what: str):
         async def handler(request: Request) -> Response:
             body = await request.json()
             model_id, seq_id = body.get("model_id"), body.get("seq_id")
             if model_id in state.runners and seq_id is not None:
                 # Through the model's runner, so its seq_id counts as done and the next request does not wait.
-                return future_response(submit(model_id, seq_id, lambda: (_ for _ in ()).throw(not_implemented(what))))
-            return failed_future(not_implemented(what))
+                fail = lambda: (_ for _ in ()).throw(not_implemented(what))  # noqa: E731
+                return future_response(submit(model_id, seq_id, fail, type=route))
+            return failed_future(not_implemented(what), type=route, model_id=model_id, seq_id=seq_id)
 
         return handler
 
@@ -343,12 +490,14 @@ def build_app(state: ServerState) -> Starlette:
         "forward_backward": forward_backward,
         "optim_step": optim_step,
         "save_weights_for_sampler": save_for_sampler,
+        "save_weights": save_weights,
+        "load_weights": load_weights,
         "create_sampling_session": create_sampling_session,
         "asample": asample,
         "retrieve_future": retrieve_future,
     }
     routes = [Route(f"/api/v1/{p}", guarded(fn), methods=["POST"]) for p, fn in post.items()]
-    routes += [Route(f"/api/v1/{p}", not_implemented_future(what), methods=["POST"])
+    routes += [Route(f"/api/v1/{p}", not_implemented_future(p, what), methods=["POST"])
                for p, what in FUTURE_ROUTES_NOT_IMPLEMENTED.items()]  # fmt: skip
     routes += [
         Route("/api/v1/healthz", healthz, methods=["GET"]),
@@ -358,6 +507,61 @@ def build_app(state: ServerState) -> Starlette:
         Route("/{rest:path}", fallback, methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
     ]
     return Starlette(routes=routes)
+
+
+def sampler_key(tinker_path: str) -> str:
+    """A file name for a sampler path (any string the client sends: hashed, never a path of its own)."""
+    import hashlib
+
+    return hashlib.sha256(tinker_path.encode()).hexdigest()[:32] + ".json"
+
+
+STATE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
+
+
+def check_name(name: str) -> None:
+    if not STATE_NAME.match(name):
+        raise TinkerUserError(f"state name {name!r}: letters, digits, '_', '-' and '.' only (not first), at most 200")
+
+
+def parse_state_path(path: str) -> tuple[str, str]:
+    """tinker://<model_id>/weights/<name> -> (model_id, name)."""
+    parts = path.removeprefix("tinker://").split("/")
+    if not path.startswith("tinker://") or len(parts) != 3 or parts[1] != "weights":
+        raise TinkerUserError(f"{path!r} is not a saved state's path (tinker://<model_id>/weights/<name>, what "
+                              "save_state returned)")  # fmt: skip
+    if not re.match(r"^[A-Za-z0-9_:\-]+$", parts[0]):
+        raise TinkerUserError(f"{path!r}: not a model id of this server")
+    check_name(parts[2])
+    return parts[0], parts[2]
+
+
+def sample_rows(rid: str, body: dict, seqs: list, sampling_session_id: str | None, sampler_path: str) -> list[dict]:
+    """One `tinker_samples` row per sampled sequence (storage/tinker.py)."""
+    from sluiceway.flows.tinker.sampler import DEFAULT_MAX_TOKENS, prompt_tokens
+
+    params = body.get("sampling_params") or {}
+    prompt = prompt_tokens(body.get("prompt") or {})
+    seed = params.get("seed")
+    return [
+        {
+            "request_id": rid,
+            "sequence_id": f"{rid}:{i}",
+            "sample_index": i,
+            "sampling_session_id": sampling_session_id,
+            "sampler_path": sampler_path,
+            "prompt_token_ids": prompt,
+            "output_token_ids": list(s.tokens),
+            "logprobs": list(s.logprobs),
+            "stop_reason": s.stop_reason,
+            "seed": None if seed is None else int(seed) + i,
+            "temperature": float(params.get("temperature", 1.0)),
+            "top_p": float(params.get("top_p", 1.0)),
+            "top_k": int(params.get("top_k", -1)),
+            "max_tokens": int(params.get("max_tokens") or DEFAULT_MAX_TOKENS),
+        }  # fmt: skip
+        for i, s in enumerate(seqs)
+    ]
 
 
 async def parse_json(request: Request, body: dict, model: type) -> Any:

@@ -8,14 +8,19 @@ separate connections can still arrive swapped, so each model runs its work in se
 
 from __future__ import annotations
 
+import datetime as _dt
 import heapq
 import itertools
+import logging
+import re
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
 
 PROTOBUF = "application/x-protobuf"
 
@@ -39,6 +44,10 @@ class Result:
     proto: bytes | None = None
     error: str | None = None
     category: str = "user"  # RequestErrorCategory's value: "user", "server" or "unknown"
+    # For the journal (flows/tinker/journal.py), never sent: the request row's fields the work learned
+    # (metrics, num_tokens, ...) and the sampled sequences' rows.
+    summary: dict[str, Any] = field(default_factory=dict)
+    samples: list[dict[str, Any]] = field(default_factory=list)
 
     def body(self) -> dict[str, Any] | bytes:
         if self.error is not None:  # the SDK's RequestFailedResponse
@@ -48,31 +57,53 @@ class Result:
 
 @dataclass
 class _Entry:
+    info: dict[str, Any] = field(default_factory=dict)  # what the request was: type, model, seq_id, loss_fn...
     done: threading.Event = field(default_factory=threading.Event)
     result: Result | None = None
     created: float = field(default_factory=time.monotonic)
+    submitted_at: _dt.datetime = field(default_factory=lambda: _dt.datetime.now(_dt.UTC))
+    started: float | None = None  # when its work began (monotonic)
+
+
+class Journal(Protocol):
+    """Where finished requests are kept beyond the process (flows/tinker/journal.py)."""
+
+    def record(self, rid: str, entry: _Entry, result: Result) -> None: ...
+
+    def lookup(self, rid: str) -> Result | None: ...
+
+
+REQUEST_ID = re.compile(r"^req-[0-9a-f]{32}$")
 
 
 class FutureStore:
-    """Request ids and their results, in memory (this slice: a restart forgets them; docs/tinker.md)."""
+    """Request ids and their results: in memory while the server runs, and with a `journal` each result is
+    written to the store before it is answered, so a restarted server still answers a finished request."""
 
-    def __init__(self) -> None:
+    def __init__(self, journal: Journal | None = None) -> None:
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
+        self.journal = journal
 
-    def new(self) -> str:
+    def new(self, **info: Any) -> str:
         rid = f"req-{uuid.uuid4().hex}"
         with self._lock:
-            self._entries[rid] = _Entry()
+            self._entries[rid] = _Entry(info)
         return rid
 
     def finish(self, rid: str, result: Result) -> None:
         entry = self._entries[rid]
+        if self.journal is not None:
+            try:
+                self.journal.record(rid, entry, result)
+            except Exception:  # noqa: BLE001 (the store failing must not lose the answer the client waits for)
+                log.exception("tinker: request %s could not be written to the store", rid)
         entry.result = result
         entry.done.set()
 
     def run(self, rid: str, fn: Callable[[], Result]) -> None:
         """Run `fn` and keep what it returns; an exception becomes the request's error (user or server)."""
+        self._entries[rid].started = time.monotonic()
         try:
             result = fn()
         except TinkerUserError as e:
@@ -82,7 +113,20 @@ class FutureStore:
         self.finish(rid, result)
 
     def known(self, rid: str) -> bool:
-        return rid in self._entries
+        """Whether `rid` is a request of this server: one in memory, or with a journal, one a server before a
+        restart finished (read back from the store, then kept in memory)."""
+        if rid in self._entries:
+            return True
+        if self.journal is None or not REQUEST_ID.match(rid):
+            return False
+        result = self.journal.lookup(rid)
+        if result is None:
+            return False
+        entry = _Entry({"restored": True}, result=result)
+        entry.done.set()
+        with self._lock:
+            self._entries.setdefault(rid, entry)
+        return True
 
     def wait(self, rid: str, timeout: float) -> Result | None:
         """The result, waiting up to `timeout` s for it (a long poll: the SDK asks again at once on try_again,

@@ -15,15 +15,9 @@ import numpy as np
 import torch
 
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
-from sluiceway.flows.tinker.futures import TinkerUserError, not_implemented
+from sluiceway.flows.tinker.futures import TinkerUserError
+from sluiceway.flows.tinker.losses import LOSS_INPUTS, elementwise_loss, loss_config
 from sluiceway.flows.tinker.wire import DatumIn
-
-# What each implemented loss reads of loss_fn_inputs (Tinker's names; docs/tinker.md).
-LOSS_INPUTS = {
-    "cross_entropy": ("target_tokens", "weights"),
-    "importance_sampling": ("target_tokens", "logprobs", "advantages"),
-}
-KNOWN_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
 
 
 class TinkerModel:
@@ -31,7 +25,7 @@ class TinkerModel:
         from sluiceway.models.zoo import load_tokenizer
         from sluiceway.tasks.train.trainer import PolicyTrainer
 
-        self.model_id, self.hf_dir, self.lora_rank = model_id, Path(hf_dir), lora_rank
+        self.model_id, self.hf_dir, self.lora_rank, self.seed = model_id, Path(hf_dir), lora_rank, seed
         self.tokenizer = load_tokenizer(hf_dir)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # bf16 where a GPU trains; fp32 on a CPU. clip_grad 0: the step's AdamParams.grad_clip_norm decides.
@@ -48,12 +42,7 @@ class TinkerModel:
     ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
         """Per-datum outputs (`logprobs`, `elementwise_loss`) and metrics (`loss:sum`); with a backward, the loss's
         gradient is added to what earlier calls accumulated, until optim_step applies it (Tinker's semantics)."""
-        if loss_fn not in LOSS_INPUTS:
-            if loss_fn in KNOWN_LOSSES:
-                raise not_implemented(f"the loss function {loss_fn!r} (implemented: {', '.join(LOSS_INPUTS)})")
-            raise TinkerUserError(f"unknown loss function {loss_fn!r} (implemented: {', '.join(LOSS_INPUTS)})")
-        if config:
-            raise not_implemented(f"loss_fn_config for {loss_fn} (given {sorted(config)})")
+        settings = loss_config(loss_fn, config)
         if not data:
             raise TinkerUserError("forward_backward needs at least one datum")
         tensors = [self._check(i, d, loss_fn) for i, d in enumerate(data)]
@@ -61,13 +50,7 @@ class TinkerModel:
         with self.lock, torch.set_grad_enabled(not forward_only):
             t.model.train(not forward_only)
             logps = self._logprobs([d.tokens for d in data], [x["target_tokens"] for x in tensors])
-            losses = []
-            for lp, inputs in zip(logps, tensors):
-                if loss_fn == "cross_entropy":  # -sum(weights * log p(target))
-                    losses.append(-(inputs["weights"] * lp))
-                else:  # importance_sampling: -sum(p / q * advantages), q the sampler's probability
-                    ratio = torch.exp(lp - inputs["logprobs"])
-                    losses.append(-(ratio * inputs["advantages"]))
+            losses = [elementwise_loss(loss_fn, lp, inputs, settings) for lp, inputs in zip(logps, tensors)]
             total = torch.stack([x.sum() for x in losses]).sum()
             if not forward_only:
                 total.backward()
@@ -85,10 +68,10 @@ class TinkerModel:
         if any(not 0 <= tok < self.vocab for tok in d.tokens):
             raise TinkerUserError(f"datum {i}: a token id outside the vocabulary [0, {self.vocab})")
         out = {}
-        for name in LOSS_INPUTS[loss_fn]:
+        required, optional = LOSS_INPUTS[loss_fn]
+        for name in required + optional:
             if name not in d.inputs:
-                if name == "weights":  # Tinker's default: every target counts
-                    out[name] = torch.ones(n, device=self.trainer.device)
+                if name in optional:  # weights: every target counts; clip thresholds: loss_fn_config's
                     continue
                 raise TinkerUserError(f"datum {i}: {loss_fn} needs loss_fn_inputs[{name!r}]")
             a = np.asarray(d.inputs[name])
@@ -147,3 +130,23 @@ class TinkerModel:
             state = self.trainer.hf_state_dict(include_tied_lm_head=False)
             dtype = "bfloat16" if self.trainer.mixed_precision else None
             return write_weight_version(state, self.hf_dir, root, self.saved, keep=0, dtype=dtype)
+
+    def save_state(self, local_dir: Path) -> None:
+        """A trainer checkpoint (tasks/train/checkpoint.py: fp32 masters, the adapters alone with LoRA, Adam's
+        state, RNG) in `local_dir`, its step the optimizer steps taken."""
+        with self.lock:
+            self.trainer.save(local_dir, self.steps)
+
+    def load_state(self, local_dir: Path, optimizer: bool) -> None:
+        """Restore a `save_state` checkpoint; without `optimizer`, Adam starts afresh (Tinker's load_state and
+        create_training_client_from_state) while the weights are the saved ones."""
+        from collections import defaultdict
+
+        t = self.trainer
+        with self.lock:
+            self.steps = t.load(local_dir)
+            if not optimizer:
+                t.optimizer.state = defaultdict(dict)
+            t.weight_version = self.steps
+            for p in t.trainable.parameters():  # nothing accumulated before the load counts after it
+                p.grad = None

@@ -1,11 +1,15 @@
 """The real Tinker SDK (tinker==0.38.0, pinned in pyproject.toml) against `sluiceway tinker serve` on tiny-llama:
 one server for the file (its start is most of the cost), a LoRA training client whose cross-entropy loss falls
 over a few forward_backward + optim_step calls, saved sampler weights sampled with log-probs, the
-importance_sampling loss, and an unimplemented call answered with an error that names it."""
+importance_sampling, ppo and cispo losses, and an unimplemented call answered with an error that names it.
+Last, the server is killed with SIGKILL and started again on the same store: a finished request's future still
+answers, the same ServiceClient resumes from save_state with create_training_client_from_state(_with_optimizer),
+and every request and sample is a row of the store's Delta tables."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -19,36 +23,53 @@ from sluiceway.infra.proc import free_port  # noqa: E402
 pytestmark = pytest.mark.skipif(tinker.__version__ != "0.38.0", reason="the wire format is 0.38.0's")
 
 
+class Server:
+    """`sluiceway tinker serve` as a subprocess on a store in a temporary directory; kill() and start() again on the
+    same port and store."""
+
+    def __init__(self, base, cache) -> None:
+        self.base, self.port, self.store = base, free_port(), base / "store"
+        self.env = dict(os.environ, SLUICEWAY_CACHE=str(cache), HF_HUB_OFFLINE="1", TINKER_TELEMETRY="0")
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = None
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        cmd = [sys.executable, "-m", "sluiceway.flows.cli", "tinker", "serve", "--base-model", "tiny-llama",
+               "--port", str(self.port), "--work-dir", str(self.base / "work"), "--store", str(self.store),
+               "--server-id", "it"]  # fmt: skip
+        log_path = self.base / f"server{self.starts}.log"
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, log_path.read_text()
+            try:
+                if httpx.get(f"{self.url}/api/v1/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise AssertionError("the server did not answer: " + log_path.read_text())
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, warm_cache):
-    base = tmp_path_factory.mktemp("tinker")
-    port = free_port()
-    env = dict(os.environ, SLUICEWAY_CACHE=str(warm_cache), HF_HUB_OFFLINE="1", TINKER_TELEMETRY="0")
-    cmd = [sys.executable, "-m", "sluiceway.flows.cli", "tinker", "serve", "--base-model", "tiny-llama",
-           "--port", str(port), "--work-dir", str(base / "work")]  # fmt: skip
-    log = open(base / "server.log", "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, (base / "server.log").read_text()
-        try:
-            if httpx.get(f"{url}/api/v1/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    else:
-        raise AssertionError("the server did not answer: " + (base / "server.log").read_text())
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
-    log.close()
+    srv = Server(tmp_path_factory.mktemp("tinker"), warm_cache)
+    srv.start()
+    yield srv
+    srv.proc.terminate()
+    srv.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
 def service(server):
     os.environ.update(TINKER_TELEMETRY="0", HF_HUB_OFFLINE="1", TINKER_API_KEY="tml-local")
-    client = tinker.ServiceClient(base_url=server)
+    client = tinker.ServiceClient(base_url=server.url)
     yield client
     client.close("success").result()
 
@@ -114,11 +135,78 @@ def test_lora_trains_saves_and_samples(service):
     is_out = tc.forward_backward([is_datum], "importance_sampling").result()
     # the ratio p/q is about 1 at the sampling policy: the loss is about -(number of sampled tokens)
     assert is_out.metrics["loss:sum"] == pytest.approx(-len(seq.tokens), rel=0.05)
+    # ppo: inside its clip range the same; cispo: -sum(ratio * logp * A), about -sum(sampled log-probs)
+    ppo = tc.forward([is_datum], "ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}).result()
+    assert ppo.metrics["loss:sum"] == pytest.approx(-len(seq.tokens), rel=0.05)
+    cispo = tc.forward([is_datum], "cispo").result()
+    assert cispo.metrics["loss:sum"] == pytest.approx(-sum(seq.logprobs), rel=0.05, abs=0.05)
 
 
 def test_unimplemented_call_names_itself(service):
     tc = service.create_lora_training_client(base_model="tiny-llama", rank=2).result()
-    with pytest.raises(Exception, match="does not implement save_weights"):
-        tc.save_state("ckpt").result()
-    with pytest.raises(Exception, match="ppo"):
-        tc.forward_backward([datum([1, 5, 9])], "ppo").result()
+    with pytest.raises(Exception, match="does not implement the loss function 'dro'"):
+        tc.forward_backward([datum([1, 5, 9])], "dro").result()
+    with pytest.raises(Exception, match="clip_ratio"):
+        tc.forward_backward([datum([1, 5, 9])], "ppo", {"clip_ratio": 0.2}).result()
+
+
+def test_killed_server_restarts_from_its_store(server, service):
+    """Train two steps, save_state, one more step (the uninterrupted run); SIGKILL; start again on the store."""
+    from tinker import types
+    from tinker.proto.response_conv import deserialize_forward_backward_output
+
+    from sluiceway.storage.object_store import ObjectStore
+    from sluiceway.storage.tinker import read_requests, read_samples
+
+    adam = types.AdamParams(learning_rate=1e-2)
+    tc = service.create_lora_training_client(base_model="tiny-llama", rank=4).result()
+    tok = tc.get_tokenizer()
+    batch = [datum(tok.encode("A kill and a restart.")), datum(tok.encode("Seven eight nine ten"))]
+    first = tc.forward_backward(batch, "cross_entropy").result()
+    tc.optim_step(adam).result()
+    tc.forward_backward(batch, "cross_entropy").result()
+    tc.optim_step(adam).result()
+    saved = tc.save_state("two-steps").result()
+    assert saved.path == f"tinker://{tc.model_id}/weights/two-steps"
+    at_save = tc.forward(batch, "cross_entropy").result().metrics["loss:sum"]
+    tc.forward_backward(batch, "cross_entropy").result()
+    tc.optim_step(adam).result()
+    uninterrupted = tc.forward(batch, "cross_entropy").result().metrics["loss:sum"]
+    with pytest.raises(Exception, match="saved already"):
+        tc.save_state("two-steps").result()
+
+    store = ObjectStore.from_uri(str(server.store))
+    rows = read_requests(store, "it").to_pylist()
+    mine = [r for r in rows if r["model_id"] == tc.model_id]
+    assert [r["request_type"] for r in mine][:6] == ["create_model", "forward_backward", "optim_step",
+                                                      "forward_backward", "optim_step", "save_weights"]  # fmt: skip
+    first_row = mine[1]
+    assert first_row["loss"] == pytest.approx(first.metrics["loss:sum"]) and first_row["loss_fn"] == "cross_entropy"
+    assert first_row["num_datums"] == 2 and first_row["status"] == "ok" and first_row["seq_id"] == 1
+    assert mine[-1]["status"] == "error" and "saved already" in mine[-1]["error"]
+    assert {"asample", "forward"} <= {r["request_type"] for r in rows}  # the earlier tests' requests
+    samples = read_samples(store, "it")
+    assert samples.num_rows >= 4 and "/sampler_weights/step-4" in samples.column("sampler_path")[0].as_py()
+
+    server.kill()
+    server.start()
+
+    # a request finished before the kill answers as it did
+    got = httpx.post(f"{server.url}/api/v1/retrieve_future", json={"request_id": first_row["request_id"]}, timeout=30)
+    assert got.status_code == 200, got.text
+    assert deserialize_forward_backward_output(got.content).metrics["loss:sum"] == first.metrics["loss:sum"]
+    lost = httpx.post(f"{server.url}/api/v1/retrieve_future", json={"request_id": "req-" + "0" * 32}, timeout=30)
+    assert lost.status_code == 404
+
+    # the same ServiceClient (its session is on the store) resumes from the saved state
+    resumed = service.create_training_client_from_state_with_optimizer(saved.path).result()
+    assert resumed.get_info().lora_rank == 4
+    assert resumed.forward(batch, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(at_save, rel=1e-5)
+    resumed.forward_backward(batch, "cross_entropy").result()
+    resumed.optim_step(adam).result()
+    after = resumed.forward(batch, "cross_entropy").result().metrics["loss:sum"]
+    assert after == pytest.approx(uninterrupted, rel=1e-4)  # Adam's moments came back with the weights
+    weights_only = service.create_training_client_from_state(saved.path).result()
+    assert weights_only.forward(batch, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(at_save, rel=1e-5)
+    rows = read_requests(store, "it").to_pylist()
+    assert [r["request_type"] for r in rows if r["model_id"] == resumed.model_id][:1] == ["load_weights"]

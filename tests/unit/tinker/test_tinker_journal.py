@@ -1,0 +1,55 @@
+"""The Tinker server's journal (flows/tinker/journal.py, storage/tinker.py) on a local store: a finished request's
+answer and its row are written before it is answered; a second FutureStore on the same store (a restarted server)
+answers it; sampled sequences are rows of their own."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("tinker")
+from sluiceway.flows.tinker.futures import FutureStore, Result, TinkerUserError  # noqa: E402
+from sluiceway.flows.tinker.journal import Journal  # noqa: E402
+from sluiceway.storage.object_store import ObjectStore  # noqa: E402
+from sluiceway.storage.tinker import read_requests, read_samples  # noqa: E402
+
+
+def test_results_and_rows_outlive_the_store_object(tmp_path):
+    store = ObjectStore.from_uri(str(tmp_path / "store"))
+    futures = FutureStore(Journal(store, "srv"))
+    fb = futures.new(type="forward_backward", model_id="s1:train:0", seq_id=1, loss_fn="ppo",
+                     loss_fn_config={"clip_low_threshold": 0.9}, num_datums=2, num_tokens=7)  # fmt: skip
+    futures.run(fb, lambda: Result(proto=b"\x01\x02", summary={"metrics": {"loss:sum": 1.5}}))
+    bad = futures.new(type="optim_step", model_id="s1:train:0", seq_id=2)
+    futures.run(bad, lambda: (_ for _ in ()).throw(TinkerUserError("no")))
+    sample = {"request_id": "r", "sequence_id": "r:0", "sample_index": 0, "sampler_path": "tiny-llama",
+              "prompt_token_ids": [1, 2], "output_token_ids": [3], "logprobs": [-0.5], "stop_reason": "length",
+              "seed": 7, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 1}  # fmt: skip
+    sa = futures.new(type="asample", num_datums=1)
+    futures.run(sa, lambda: Result(json={"ok": 1}, summary={"num_tokens": 3}, samples=[sample]))
+
+    again = FutureStore(Journal(store, "srv"))  # a restarted server on the same store
+    assert again.known(fb) and again.wait(fb, 0).body() == b"\x01\x02"
+    assert again.known(bad) and again.known(sa)
+    assert again.wait(bad, 0).body() == {"error": "no", "category": "user"}
+    assert again.wait(sa, 0).body() == {"ok": 1}
+    assert not again.known("req-" + "0" * 32) and not again.known("../../etc/passwd")
+    assert not FutureStore(Journal(store, "other")).known(fb)  # another server id's results are not ours
+
+    rows = {r["request_id"]: r for r in read_requests(store, "srv").to_pylist()}
+    assert set(rows) == {fb, bad, sa}
+    r = rows[fb]
+    assert (r["request_type"], r["session_id"], r["model_id"], r["seq_id"]) == (
+        "forward_backward",
+        "s1",
+        "s1:train:0",
+        1,
+    )
+    assert (r["loss_fn"], r["num_datums"], r["num_tokens"], r["loss"], r["status"]) == ("ppo", 2, 7, 1.5, "ok")
+    assert json.loads(r["loss_fn_config"]) == {"clip_low_threshold": 0.9}
+    assert r["run_s"] >= 0 and r["finished_at"] >= r["submitted_at"]
+    assert (rows[bad]["status"], rows[bad]["error"], rows[bad]["error_category"]) == ("error", "no", "user")
+    samples = read_samples(store, "srv").to_pylist()
+    assert len(samples) == 1 and samples[0]["output_token_ids"] == [3] and samples[0]["seed"] == 7
+    assert read_requests(store, "other").num_rows == 0
