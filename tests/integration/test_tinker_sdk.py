@@ -150,6 +150,7 @@ def test_unimplemented_call_names_itself(service):
         tc.forward_backward([datum([1, 5, 9])], "ppo", {"clip_ratio": 0.2}).result()
 
 
+@pytest.mark.filterwarnings("ignore:DEPRECATED. TrainingClient.load_state:FutureWarning")  # still the SDK's API
 def test_killed_server_restarts_from_its_store(server, service):
     """Train two steps, save_state, one more step (the uninterrupted run); SIGKILL; start again on the store."""
     from tinker import types
@@ -208,5 +209,13 @@ def test_killed_server_restarts_from_its_store(server, service):
     assert after == pytest.approx(uninterrupted, rel=1e-4)  # Adam's moments came back with the weights
     weights_only = service.create_training_client_from_state(saved.path).result()
     assert weights_only.forward(batch, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(at_save, rel=1e-5)
+    weights_only.forward_backward(batch, "cross_entropy").result()
+    weights_only.optim_step(adam).result()  # a fresh Adam: not the uninterrupted run's step
+    fresh = weights_only.forward(batch, "cross_entropy").result().metrics["loss:sum"]
+    assert fresh != pytest.approx(uninterrupted, rel=1e-4)
+    weights_only.load_state_with_optimizer(saved.path).result()  # load_state into an existing model
+    assert weights_only.forward(batch, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(at_save, rel=1e-5)
+    with pytest.raises(Exception, match="LoRA rank 4"):
+        service.create_lora_training_client(base_model="tiny-llama", rank=2).result().load_state(saved.path).result()
     rows = read_requests(store, "it").to_pylist()
     assert [r["request_type"] for r in rows if r["model_id"] == resumed.model_id][:1] == ["load_weights"]
