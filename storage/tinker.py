@@ -32,6 +32,7 @@ from sluiceway.storage.tables import append_idempotent_many, conform, read_table
 REQUESTS = "tinker_requests"
 SAMPLES = "tinker_samples"
 PARTITION_BY = ["server_id"]
+TABLES = [REQUESTS, SAMPLES]  # compact them with storage/maintenance.py's maintain(store, TABLES)
 _TS = pa.timestamp("us", tz="UTC")
 
 REQUEST_SCHEMA = pa.schema(

@@ -329,8 +329,9 @@ def build_app(state: ServerState) -> Starlette:
             with tempfile.TemporaryDirectory(dir=state.work_dir) as tmp:
                 local = Path(tmp) / "state"
                 m.save_state(local)
-                info = {"base_model": state.base_model, "lora_rank": m.lora_rank, "seed": m.seed, "steps": m.steps,
-                        "model_id": req.model_id, "optimizer": "adamw", "user_metadata": req.user_metadata}  # fmt: skip
+                info = {"base_model": state.base_model, "base_dir": str(state.base_dir), "lora_rank": m.lora_rank,
+                        "seed": m.seed, "steps": m.steps, "model_id": req.model_id, "optimizer": "adamw",
+                        "user_metadata": req.user_metadata}  # fmt: skip
                 upload_state(store, state.server_id, req.model_id, name, local, info)
             path = f"tinker://{req.model_id}/weights/{name}"
             log.info("tinker: saved %s (step %d)", path, m.steps)
@@ -371,7 +372,7 @@ def build_app(state: ServerState) -> Starlette:
             if info is None:
                 raise TinkerUserError(f"{req.path}: no state saved under this name on this server's store "
                                       f"({state.server_id})")  # fmt: skip
-            if not state.matches_base(info["base_model"]):
+            if not (state.matches_base(info["base_model"]) or info.get("base_dir") == str(state.base_dir)):
                 raise TinkerUserError(f"{req.path} was trained on {info['base_model']!r}; this server serves "
                                       f"{state.base_model!r}")  # fmt: skip
             m = state.models.get(model_id)
