@@ -53,3 +53,29 @@ def test_results_and_rows_outlive_the_store_object(tmp_path):
     samples = read_samples(store, "srv").to_pylist()
     assert len(samples) == 1 and samples[0]["output_token_ids"] == [3] and samples[0]["seed"] == 7
     assert read_requests(store, "other").num_rows == 0
+
+
+def test_saved_state_round_trip_and_paths(tmp_path):
+    from sluiceway.flows.tinker.app import parse_state_path
+    from sluiceway.infra.errors import Fault
+    from sluiceway.storage.digests import file_digests
+    from sluiceway.storage.tinker import download_state, state_info, upload_state
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "tp0.pt").write_bytes(b"weights")
+    (ckpt / "meta.json").write_text(json.dumps({"step": 3, "files": file_digests(ckpt)}))
+    store = ObjectStore.from_uri(str(tmp_path / "store"))
+    assert state_info(store, "srv", "s1:train:0", "a") is None
+    upload_state(store, "srv", "s1:train:0", "a", ckpt, {"base_model": "tiny-llama", "lora_rank": 4})
+    assert state_info(store, "srv", "s1:train:0", "a")["lora_rank"] == 4
+    info = download_state(store, "srv", "s1:train:0", "a", tmp_path / "back")
+    assert info["base_model"] == "tiny-llama" and (tmp_path / "back" / "tp0.pt").read_bytes() == b"weights"
+    (tmp_path / "store" / "tinker" / "srv" / "weights" / "s1:train:0" / "a" / "tp0.pt").write_bytes(b"damaged")
+    with pytest.raises(Fault, match="damaged"):
+        download_state(store, "srv", "s1:train:0", "a", tmp_path / "again")
+
+    assert parse_state_path("tinker://session-1:train:0/weights/step-2") == ("session-1:train:0", "step-2")
+    for bad in ("tinker://m/sampler_weights/x", "tinker://m/weights/..", "s3://m/weights/x", "tinker://a/b/weights/x"):
+        with pytest.raises(TinkerUserError):
+            parse_state_path(bad)
