@@ -188,6 +188,9 @@ def upload_state(store: ObjectStore, server_id: str, model_id: str, name: str, l
     target = server_path(store, server_id, "weights", model_id, name)
     with store.redacting():
         fs.makedirs(target, exist_ok=True)
+        marker = f"{target}/tinker.json"
+        if fs.exists(marker):  # an overwrite: the old state stops counting before its files are replaced
+            fs.rm(marker)
         for f in sorted(Path(local_dir).iterdir()):
             fs.put_file(str(f), f"{target}/{f.name}")
     write_json(store, f"{target}/tinker.json", info)

@@ -69,6 +69,7 @@ def test_saved_state_round_trip_and_paths(tmp_path):
     assert state_info(store, "srv", "s1:train:0", "a") is None
     upload_state(store, "srv", "s1:train:0", "a", ckpt, {"base_model": "tiny-llama", "lora_rank": 4})
     assert state_info(store, "srv", "s1:train:0", "a")["lora_rank"] == 4
+    upload_state(store, "srv", "s1:train:0", "a", ckpt, {"base_model": "tiny-llama", "lora_rank": 4})  # overwrite
     info = download_state(store, "srv", "s1:train:0", "a", tmp_path / "back")
     assert info["base_model"] == "tiny-llama" and (tmp_path / "back" / "tp0.pt").read_bytes() == b"weights"
     (tmp_path / "store" / "tinker" / "srv" / "weights" / "s1:train:0" / "a" / "tp0.pt").write_bytes(b"damaged")
