@@ -471,12 +471,16 @@ def build_app(state: ServerState) -> Starlette:
                           "(docs/tinker.md lists what it does)")  # fmt: skip
 
     def guarded(fn):
-        """A user's mistake raised while parsing answers 400 with its message (the SDK shows it, no retry)."""
+        """A user's mistake raised while parsing answers 400 with its message (the SDK shows it, no retry); with a
+        store it is a request row too (status error, its request_id one of its own that nobody polls)."""
 
         async def handler(request: Request) -> Response:
             try:
                 return await fn(request)
             except TinkerUserError as e:
+                if state.futures.journal is not None:
+                    rid = state.futures.new(type=request.url.path.rsplit("/", 1)[-1])
+                    await asyncio.to_thread(state.futures.finish, rid, Result(error=str(e), category="user"))
                 return error(400, str(e))
 
         return handler

@@ -80,3 +80,32 @@ def test_saved_state_round_trip_and_paths(tmp_path):
     for bad in ("tinker://m/sampler_weights/x", "tinker://m/weights/..", "s3://m/weights/x", "tinker://a/b/weights/x"):
         with pytest.raises(TinkerUserError):
             parse_state_path(bad)
+
+
+def test_refused_requests_are_rows_and_sessions_outlive_the_app(tmp_path):
+    from pathlib import Path
+
+    from starlette.testclient import TestClient
+
+    from sluiceway.flows.tinker.app import ServerState, build_app
+
+    store = ObjectStore.from_uri(str(tmp_path / "store"))
+
+    def app():
+        return TestClient(build_app(ServerState("m", Path(tmp_path), tmp_path / "work", store=store, server_id="u")))
+
+    with app() as client:
+        sid = client.post(
+            "/api/v1/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "0.38.0"}
+        ).json()["session_id"]
+        refused = client.post("/api/v1/create_model", json={"session_id": "nope", "model_seq_id": 0,
+                                                            "base_model": "m", "lora_config": {"rank": 2}})  # fmt: skip
+        assert refused.status_code == 400 and "unknown session" in refused.json()["error"]
+        missing = client.post("/api/v1/retrieve_future", json={"request_id": "req-" + "1" * 32})
+        assert missing.status_code == 404
+    with app() as client:  # a new app on the same store: the session is known, its heartbeat answers
+        beat = client.post("/api/v1/session_heartbeat", json={"session_id": sid})
+        assert beat.status_code == 200, beat.text
+        assert client.post("/api/v1/session_heartbeat", json={"session_id": "session-" + "0" * 16}).status_code == 404
+    rows = read_requests(store, "u").to_pylist()
+    assert [(r["request_type"], r["status"], r["error_category"]) for r in rows] == [("create_model", "error", "user")]
