@@ -36,6 +36,7 @@ from sluiceway.tasks.filter.filters import build_filters
 from sluiceway.tasks.reward.score import rescore_non_finite, score_step
 from sluiceway.tasks.rollout.prompts import adaptive_step_prompts, eval_rollout_settings
 from sluiceway.tasks.rollout.rollout import plan_step, prompt_indices_for_step, run_rollout
+from sluiceway.tasks.rollout.slime_plugins.hooks import run_step_hooks
 from sluiceway.tasks.train.batch import build_train_samples, max_staleness, rollout_metrics
 
 # The model state lives in the process, so Prefect must not cache these tasks; idempotency comes from
@@ -155,7 +156,9 @@ def filter_task(run_id: str, step: int) -> dict:
     rt = runtime.get(run_id)
     filters = build_filters(rt.cfg.rollout, current_version=rt.trainer.weight_version,
                             slime_args=lambda: rt.prep.slime_args)  # fmt: skip
-    return filter_step(store=rt.store, run_id=run_id, step=step, filters=filters).metrics()
+    metrics = filter_step(store=rt.store, run_id=run_id, step=step, filters=filters).metrics()
+    # slime's per-step rollout hooks, on the scored and filtered step (tasks/rollout/slime_plugins/hooks.py)
+    return metrics | run_step_hooks(rt.cfg.rollout, rt.prep.slime_args, rt.store, run_id, step, metrics)
 
 
 @task(name="train", cache_policy=NO_CACHE, persist_result=False)

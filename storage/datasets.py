@@ -243,7 +243,9 @@ def _label(value: Any, where: str, key: str) -> str:
         return value
     if isinstance(value, (bool, int, float)):
         return json.dumps(value)  # true / 3 / 2.5: the JSON spelling, as a verifier would compare it
-    raise UserError(f"{where}: {key!r} is {_kind(value)}; expected a string or number")
+    if isinstance(value, dict):  # slime's search-r1 labels: {"ground_truth": ...}; slime plugins get the dict back
+        return json.dumps(value, sort_keys=True, default=str)
+    raise UserError(f"{where}: {key!r} is {_kind(value)}; expected a string or number, or an object (kept as JSON)")
 
 
 def _metadata(value: Any, where: str, key: str) -> str:

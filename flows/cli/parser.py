@@ -51,7 +51,8 @@ def add_field_arguments(parser: argparse.ArgumentParser, listed: tuple[str, ...]
         for name, f in info.annotation.model_fields.items():
             ann = f.annotation
             inner = [a for a in get_args(ann) if a is not type(None)] if isinstance(ann, types.UnionType) else [ann]
-            shown = first_sentence(f.description) if part in listed else argparse.SUPPRESS
+            slime_hook = isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("slime_hook")
+            shown = first_sentence(f.description) if part in listed and not slime_hook else argparse.SUPPRESS
             kwargs: dict = {"dest": f"{part}.{name}", "default": argparse.SUPPRESS, "help": shown}
             if inner == [bool]:
                 kwargs["action"] = argparse.BooleanOptionalAction

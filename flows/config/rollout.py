@@ -63,6 +63,26 @@ class RolloutConfig(Group):
         description="slime's: a YAML whose keys become attributes of slime-style functions' `args`. Set or "
         "overridden, values as YAML gives them, as slime does.",
     )
+    # slime's per-step rollout hooks (tasks/rollout/slime_plugins/hooks.py), in slime's convention only. Listed by
+    # `run --help-slime` and docs/slime.md rather than `run --help` (json_schema_extra slime_hook).
+    rollout_sample_filter_path: str | None = Field(
+        None,
+        description="slime's fn(args, data): data the step's trained groups as Samples; a Sample it marks "
+        "remove_sample is stored with the flag and a zero loss mask.",
+        json_schema_extra={"slime_hook": True},
+    )
+    rollout_all_samples_process_path: str | None = Field(
+        None,
+        description="slime's fn(args, all_samples, data_source): every finished group of the step, filtered ones "
+        "too; data_source's get_samples/add_samples raise (not supported here).",
+        json_schema_extra={"slime_hook": True},
+    )
+    custom_rollout_log_function_path: str | None = Field(
+        None,
+        description="slime's fn(rollout_id, args, samples, rollout_extra_metrics, rollout_time), once per step; "
+        "its return value is ignored: the metrics table is always written.",
+        json_schema_extra={"slime_hook": True},
+    )
     agent_function_path: str | None = Field(
         None,
         description="'module:fn' or 'file.py:fn': your agent, fn(base_url, api_key, prompt) (sync or async), run "

@@ -50,8 +50,13 @@ _PLUGINS_1 = (
     "every other field and any attribute the plugin set is in the row's `metadata` under `slime_sample`, "
     "and the reward function and the filter get that same Sample back. Lengths that disagree make that "
     "sample a failed row with the reason (`metadata.failure_reason`), not a crash. A list of Samples (one "
-    "prompt fanned out, slime's multi_agent) is refused with one line: a group here is "
-    "`--n-samples-per-prompt` rows. `--rm-type` names only slime's rm_hub has (`boxed_*`, `remote_rm`, "
+    "prompt fanned out, slime's multi_agent) is every one trained: the first is the planned sample's row, the "
+    "others more rows of the same group (sample_index from `--n-samples-per-prompt` on, `metadata.fanout_of` "
+    "naming the planned sample); more than one must share a `rollout_id`, as slime asserts. Samples it left "
+    "without a reward go to a slime `--custom-rm-path` as one list (slime's `batched_async_rm`), else to the "
+    "reward stage per row; advantages are normalised per group (the prompt's rows; slime normalises the whole "
+    "batch at once when its sample count is not batch x n), and the trainer takes every row of the step. "
+    "`--rm-type` names only slime's rm_hub has (`boxed_*`, `remote_rm`, "
     "`random`) are graded by it."
 )
 
@@ -68,9 +73,26 @@ _PLUGINS_2 = (
     "(`load_tokenizer`), `slime.rollout.sglang_rollout` (`GenerateState`, `generate`, `generate_and_rm`), "
     "`slime.rollout.rm_hub` (`async_rm`, `batched_async_rm`) and `slime.rollout.filter_hub` "
     "(`DynamicFilterOutput`, `check_reward_nonzero_std`). slime's top-p replay is not: a slime generate "
-    "needs `--rollout-top-p 1`. slime's other hooks (the refused table: reward post-processing, sample "
-    "and buffer filters, data sources, log functions, the trainer-side losses and hooks) are one line "
+    "needs `--rollout-top-p 1`. slime's other hooks (the refused table: reward post-processing, "
+    "buffer filters, data sources, eval log functions, the trainer-side losses and hooks) are one line "
     "each, before any engine starts."
+)
+
+_PLUGINS_3 = (
+    "Three per-step hooks run in slime's convention only, after the filter stage, on the step's rows as the "
+    "Samples the generate made (tasks/rollout/slime_plugins/hooks.py), in slime's order, once per step (a "
+    "resumed step does not call them again). `--rollout-sample-filter-path` gets `(args, data)`, `data` the "
+    "step's trained groups as `list[list[Sample]]`; a Sample it marks `remove_sample` is stored with the flag "
+    "(`metadata.slime_sample.remove_sample`, its former mask beside it) and a zero loss mask: out of the loss, "
+    "its reward still in its group's advantages, as in slime. `--rollout-all-samples-process-path` gets "
+    "`(args, all_samples, data_source)`: every finished group, the filtered-out ones too; `data_source` is an "
+    "object whose `get_samples`/`add_samples` (and calling it) raise a NotImplementedError saying why: "
+    "prompts come from `--prompt-data` in sluiceway's order and there is no buffer to return samples to. "
+    "`--custom-rollout-log-function-path` gets `(rollout_id, args, samples, rollout_extra_metrics, "
+    "rollout_time)`: the step, the trained Samples flattened, the filter stage's metrics, the seconds from "
+    "the step's first request to its last stored row; its return value (in slime: skip the default "
+    "logging) is ignored: the metrics table and the run's loggers are always written. These three are "
+    "fields not listed by `run --help`; `run --help-slime` lists them."
 )
 
 
@@ -139,18 +161,24 @@ def render_markdown() -> str:
         "| hook | slime's function, called as slime calls it | sluiceway's function |",
         "| --- | --- | --- |",
         "| `--custom-generate-function-path` | `async generate(args, sample, sampling_params[, evaluation])` "
-        "-> `Sample` "
+        "-> `Sample` or `list[Sample]` "
         "| `async generate(ctx, prompt, params)` (tasks/rollout/multiturn.py) |",
         "| `--custom-rm-path` | `async rm(args, sample)`; with `--group-rm` `rm(args, samples)` "
         "| `fn(response, label, sample)`; with `--group-rm` `fn(responses, labels, samples)` |",
         "| `--dynamic-sampling-filter-path` | `fn(args, group)` -> bool or `DynamicFilterOutput(keep, reason)` "
         "| `fn(rows)` -> keep or a reason |",
+        "| `--rollout-sample-filter-path` | `fn(args, data)`, marks `sample.remove_sample` | - |",
+        "| `--rollout-all-samples-process-path` | `fn(args, all_samples, data_source)` | - |",
+        "| `--custom-rollout-log-function-path` | "
+        "`fn(rollout_id, args, samples, rollout_extra_metrics, rollout_time)` | - |",
         "",
         *textwrap.wrap(break_on_hyphens=False, text=_PLUGINS_0, width=110),
         "",
         *textwrap.wrap(break_on_hyphens=False, text=_PLUGINS_1, width=110),
         "",
         *textwrap.wrap(break_on_hyphens=False, text=_PLUGINS_2, width=110),
+        "",
+        *textwrap.wrap(break_on_hyphens=False, text=_PLUGINS_3, width=110),
         "",
         "## Implemented",
         "",

@@ -295,21 +295,17 @@ def _hook(why: str, nargs: int | str = 1) -> Flag:
 
 # slime's hooks (its arguments.py) that no sluiceway stage calls: each refused by name before anything starts. The
 # ones that do run are sluiceway fields: --custom-generate-function-path, --custom-rm-path (with --group-rm) and
-# --dynamic-sampling-filter-path take slime's functions (tasks/rollout/slime_plugins/, docs/slime.md).
+# --dynamic-sampling-filter-path take slime's functions (tasks/rollout/slime_plugins/, docs/slime.md), and
+# --rollout-sample-filter-path, --rollout-all-samples-process-path and --custom-rollout-log-function-path run after
+# the filter stage (tasks/rollout/slime_plugins/hooks.py).
 HOOK_FLAGS: dict[str, Flag] = {
     "--custom-reward-post-process-path": _hook(
         "the advantage stage computes its own baselines from the stored rewards and takes no precomputed ones "
         "(--custom-rm-path with --group-rm scores whole groups)"
     ),
-    "--rollout-sample-filter-path": _hook(
-        "per-sample remove_sample marking after the rollout; a generate function "
-        "may set sample.remove_sample itself (stored, masked out of the loss)"
-    ),
-    "--rollout-all-samples-process-path": _hook("sluiceway's rollout hands no data source to user code"),
     "--rollout-sample-hook-path": _hook("per-sample hooks before the reward are not called"),
     "--buffer-filter-path": _hook("sluiceway's buffer is the trajectories table; groups are taken in step order"),
     "--data-source-path": _hook("prompts come from --prompt-data through sluiceway's own dataset loader"),
-    "--custom-rollout-log-function-path": _hook("rollout metrics go to the metrics table and the run's loggers"),
     "--custom-eval-rollout-log-function-path": _hook("eval results go to the evals table"),
     "--custom-convert-samples-to-train-data-path": _hook("the trainer batches the stored rows itself"),
     "--eval-function-path": _hook("evaluation runs sluiceway's eval stage (--eval-prompt-data)"),

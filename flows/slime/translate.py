@@ -57,8 +57,24 @@ class _HelpSlime(argparse.Action):
                                           epilog="A slime launch script's own flags: --from-slime-script SCRIPT.sh "
                                           "(docs/slime.md).")  # fmt: skip
         add_arguments(listing, listed=True)
+        hooks = listing.add_argument_group("slime hooks run here", "fields in slime's convention only, not listed by "
+                                           "--help (tasks/rollout/slime_plugins/hooks.py)")  # fmt: skip
+        for name, f in slime_hook_fields().items():
+            hooks.add_argument("--" + name.replace("_", "-"), metavar="PATH", help=f.description)
         listing.print_help()
         parser.exit()
+
+
+def slime_hook_fields() -> dict:
+    """The config fields of slime's hooks (json_schema_extra slime_hook): `run --help-slime` lists them."""
+    from sluiceway.flows.config import RunConfig
+
+    out = {}
+    for info in RunConfig.model_fields.values():
+        for name, f in info.annotation.model_fields.items():
+            if isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("slime_hook"):
+                out[name] = f
+    return out
 
 
 def add_help_flag(parser: argparse.ArgumentParser) -> None:

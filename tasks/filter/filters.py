@@ -94,7 +94,10 @@ def scoring_filter(reward_settings, filters: list[GroupFilter]) -> GroupFilter:
     from sluiceway.tasks.reward.score import score_rows
 
     def check(rows: list[dict]) -> str | None:
-        for r, (reward, details) in zip(rows, score_rows(rows, reward_settings)):
+        # A reward the generator set (an agent's, a slime generate's) stands, as in slime's generate_and_rm; a
+        # group rm scores the whole group, as slime's generate_and_rm_group does.
+        pending = rows if reward_settings.group_rm else [r for r in rows if r["reward"] is None]
+        for r, (reward, details) in zip(pending, score_rows(pending, reward_settings) if pending else []):
             r["reward"], r["reward_details"] = reward, details
         return first_reason(filters, rows)
 

@@ -70,6 +70,12 @@ class Generation(Protocol):
         """A teacher's log-prob per response token, if the generator has them [left to distillation's stage]."""
         ...
 
+    @property
+    def siblings(self) -> list[Generation] | None:
+        """More samples this one fanned out into, each another row of the group (a slime generate function's
+        returned list; `Rollout.group` numbers them after the planned samples) [none]."""
+        ...
+
 
 class GenerationDefaults:
     """The optional `Generation` attributes as None, for a class that brings none or only some of them."""
@@ -83,3 +89,4 @@ class GenerationDefaults:
     reward_details: dict | None = None
     row_metadata: dict | None = None
     teacher_logprobs: list[float] | None = None
+    siblings: list | None = None

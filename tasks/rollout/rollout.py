@@ -181,7 +181,7 @@ def plan_step(
 def _row(
     run_id, step, w: GroupWork, i: int, res: Generation, decode, s: RolloutSettings, engine: str, pool: str
 ) -> TrajectoryRow:
-    part = w.partials[i]
+    part = w.partials[i] if i < len(w.partials) else Partial()  # a fan-out's extra rows continue nothing
     tokens = part.token_ids + res.token_ids
     # A multi-turn TokenBuffer brings its own mask (environment tokens 0) and versions.
     new_mask = res.loss_mask or [1] * len(res.token_ids)
@@ -301,6 +301,7 @@ class Rollout:
             self.s.n_samples, lambda target: self.generate(w, target), self.enough, name=f"group {w.group_id}"
         )
         where = self.engine if target.local else "router"  # a remote pool's router; its name is in `pool`
+        results = with_siblings(results)
         rows = [_row(self.run_id, self.step, w, i, r, self.decode, self.s, where, target.name)
                 for i, r in enumerate(results)]  # fmt: skip
         await self.judge(rows, results)
@@ -367,6 +368,15 @@ class Rollout:
             self.enough.set()
             if (own := self.dispatcher.local) is not None:
                 await own.client.abort_all()  # the engines return what they have for the rest
+
+
+def with_siblings(results: list[Generation]) -> list[Generation]:
+    """The planned samples' generations, then the siblings a fan-out brought (a slime generate function returning
+    several Samples for one, tasks/rollout/slime_plugins/generate.py): those become rows of the same group with
+    sample_index n_samples, n_samples + 1, ... in the order of the planned samples. A group is then larger than
+    n_samples; every consumer keys rows by (group_id, sample_index) and groups them by group_id."""
+    extra = [sib for r in results for sib in (getattr(r, "siblings", None) or [])]
+    return list(results) + extra if extra else results
 
 
 async def run_rollout(**kwargs) -> RolloutResult:

@@ -5,6 +5,11 @@ posting to the router's /generate with GenerateState's sampling params unchanged
 trainable with their log-probs and a tool result untrainable; a reward function returning a dict, --reward-key
 score. Every trained row is checked against the engine's request log. A function whose convention its signature
 cannot tell is one line, exit 2, before any engine starts.
+
+A second run, two steps: a multi_agent-shaped generate (two agents per sample, a list of Samples sharing rollout_id,
+every one trained), a search-r1-shaped reward (label a dict, sample.label["ground_truth"]) getting the Samples left
+without a reward as one list, slime's dynamic filter, a rollout sample filter marking one Sample removed, an
+all-samples process and a rollout log function writing what they got to a file.
 """
 
 import json
@@ -112,3 +117,153 @@ def test_ambiguous_function_is_one_line_before_engines(tmp_path):
     assert "slimeplug_retool.unclear(*parts): cannot tell whether it is slime's" in lines[-1]
     assert "--plugin-convention" in lines[-1]
     assert not (tmp_path / "r.jsonl").exists() and not (tmp_path / "run" / "logs").exists()
+
+
+MULTI = """
+import copy
+import json
+import os
+
+from slime.rollout.filter_hub.base_types import DynamicFilterOutput
+from slime.rollout.sglang_rollout import GenerateState
+from slime.utils.http_utils import post
+from slime.utils.types import Sample
+
+ROLES = ("solver", "critic")
+
+
+async def generate_with_multi_agents(args, sample: Sample, sampling_params, evaluation=False) -> list[Sample]:
+    assert isinstance(sample.label, dict) and not evaluation
+    state = GenerateState(args)
+    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+    out = []
+    for role in ROLES:
+        s = copy.deepcopy(sample)
+        s.prompt = f"{sample.prompt} [{role}]"
+        s.tokens = list(state.tokenizer(s.prompt, add_special_tokens=False)["input_ids"])
+        params = dict(sampling_params, max_new_tokens=4)
+        reply = await post(url, {"input_ids": s.tokens, "sampling_params": params, "return_logprob": True})
+        lp = reply["meta_info"]["output_token_logprobs"]
+        s.append_response_tokens(args, tokens=[x[1] for x in lp], log_probs=[x[0] for x in lp], trainable=True,
+                                 meta_info=reply["meta_info"], text=reply["text"])
+        s.agent_role = role
+        s.rollout_id = sample.index
+        if role == "solver":
+            s.reward = float(len(s.response) % 3) / 2
+        out.append(s)
+    return out
+
+
+async def reward_func(args, sample, **kwargs):
+    if isinstance(sample, list):  # slime's batched_async_rm: a fan-out's Samples left without a reward
+        return [await reward_func(args, s) for s in sample]
+    assert sample.agent_role == "critic"
+    target = str(sample.label["ground_truth"]["target"])
+    return 0.2 + (target in sample.response) + (sum(sample.tokens[-sample.response_length:]) % 5) / 5
+
+
+def odd_groups(args, group):
+    n = args.n_samples_per_prompt
+    assert len(group) == 2 * n and len({s.rollout_id for s in group}) == n
+    keep = group[0].group_index % 3 != 1
+    return DynamicFilterOutput(keep=keep, reason=None if keep else "third_group")
+
+
+def remove_one(args, data):
+    assert all(len(group) == 2 * args.n_samples_per_prompt for group in data)
+    data[0][1].remove_sample = True
+
+
+def process_all(args, all_samples, data_source):
+    try:
+        data_source.get_samples(1)
+        raised = None
+    except NotImplementedError as e:
+        raised = str(e)
+    removed = sum(s.remove_sample for g in all_samples for s in g)
+    _log("all", groups=[g[0].group_index for g in all_samples], removed=removed, raised=raised)
+
+
+def log_rollout(rollout_id, args, samples, rollout_extra_metrics, rollout_time):
+    _log("log", rollout_id=rollout_id, samples=len(samples), removed=[s.index for s in samples if s.remove_sample],
+         metrics=sorted(rollout_extra_metrics), time=rollout_time)
+    return True
+
+
+def _log(kind, **what):
+    with open(os.environ["SLIMEPLUG_LOG"], "a") as f:
+        f.write(json.dumps({"kind": kind, **what}) + "\\n")
+"""
+
+
+def test_multi_agent_shaped_plugin_trains_two_steps(tmp_path):
+    from cli_run import BATCH, N
+
+    (tmp_path / "slimeplug_multi.py").write_text(textwrap.dedent(MULTI))
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "reward_model":
+                                        {"ground_truth": {"target": 2 * i}, "style": "rule"}}) + "\n"
+                            for i in range(12)))  # fmt: skip
+    run_dir, cache, log, hooks = tmp_path / "run", tmp_path / "cache", tmp_path / "requests.jsonl", tmp_path / "h"
+    m = "slimeplug_multi."
+    run_cli(run_dir, cache, "--num-rollout", "2", "--prompt-data", str(data), "--input-key", "prompt",
+            "--label-key", "reward_model", "--custom-generate-function-path", m + "generate_with_multi_agents",
+            "--custom-rm-path", m + "reward_func", "--dynamic-sampling-filter-path", m + "odd_groups",
+            "--over-sampling-batch-size", str(BATCH + 2), "--rollout-sample-filter-path", m + "remove_one",
+            "--rollout-all-samples-process-path", m + "process_all",
+            "--custom-rollout-log-function-path", m + "log_rollout", "--rollout-top-p", "1.0",
+            env=_env(tmp_path, log) | {"SLIMEPLUG_LOG": str(hooks)})  # fmt: skip
+    requests = [json.loads(line) for line in log.read_text().splitlines()]
+    logged = [json.loads(line) for line in hooks.read_text().splitlines()]
+    store = ObjectStore.from_uri(str(run_dir / "tables"))
+    dropped = 0
+    for step in (0, 1):
+        stored = read_trajectories(store, "run", step).to_pylist()
+        groups: dict[int, list] = {}
+        for r in stored:
+            groups.setdefault(r["group_id"], []).append(r)
+        for members in groups.values():  # every group: 2 x N rows, each planned sample with its sibling
+            assert sorted(r["sample_index"] for r in members) == list(range(2 * N))
+            meta = [json.loads(r["metadata"]) for r in members]
+            assert sorted(x["fanout_of"] for x in meta) == sorted(list(range(N)) * 2)
+            assert len({x["slime_sample"]["rollout_id"] for x in meta}) == N
+            if members[0]["status"] == "aborted":
+                continue
+            reasons = {r["filter_reason"] for r in members}
+            third = meta[0]["slime_sample"]["group_index"] % 3 == 1
+            assert reasons == {"third_group"} if third else len(reasons) == 1 and reasons <= {None, "surplus"}
+            dropped += third
+        rows = [r for r in stored if is_trainable(r)]
+        assert len(rows) == BATCH * 2 * N, [(r["status"], r["filter_reason"]) for r in stored]
+        removed = [r for r in rows if json.loads(r["metadata"])["slime_sample"].get("remove_sample")]
+        assert len(removed) == 1 and removed[0]["loss_mask"] == [0] * len(removed[0]["response_token_ids"])
+        for r in rows:
+            meta = json.loads(r["metadata"])
+            record = meta["slime_sample"]
+            assert r["prompt"].endswith(f"[{record['agent_role']}]")
+            made = [q for q in requests if q["input_ids"] == list(r["prompt_token_ids"])
+                    and q["output_ids"] == list(r["response_token_ids"])]  # fmt: skip
+            assert made, "no engine request made this row"
+            want = made[0]["output_logprobs"]
+            assert all(math.isclose(a, b, abs_tol=1e-5) for a, b in zip(r["rollout_logprobs"], want, strict=True))
+            if r is not removed[0]:
+                assert r["loss_mask"] == [1] * len(r["response_token_ids"])
+            details = json.loads(r["reward_details"])
+            assert details["source"] == "slime"
+            if record["agent_role"] == "critic":
+                target = str(record["label"]["ground_truth"]["target"])
+                text = record["response"]
+                tokens = r["response_token_ids"]
+                want = 0.2 + (target in text) + (sum(tokens) % 5) / 5
+                assert math.isclose(r["reward"], want), (r["reward"], want)
+            else:
+                assert r["reward"] == float(len(record["response"]) % 3) / 2
+        (log_line,) = [x for x in logged if x["kind"] == "log" and x["rollout_id"] == step]
+        assert log_line["samples"] == len(rows) and len(log_line["removed"]) == 1 and log_line["time"] > 0
+        assert "filter/groups_kept" in log_line["metrics"]
+        all_line = [x for x in logged if x["kind"] == "all"][step]  # every finished group, the filtered ones too
+        assert len(all_line["groups"]) >= BATCH
+        assert all_line["removed"] == 1 and "not supported in sluiceway" in all_line["raised"]
+    assert dropped > 0  # the dynamic filter dropped groups, over-sampling made up for them
+    losses = {r["step"]: r["value"] for r in read_metrics(store, "run").to_pylist() if r["name"] == "train/loss"}
+    assert set(losses) == {0, 1} and all(math.isfinite(v) for v in losses.values())

@@ -15,14 +15,25 @@ Everything else of the Sample lands in the row's metadata under "slime_sample" (
 stage rebuilds the same Sample (tasks/rollout/slime_plugins/reward.py) and a query finds a plugin's attributes.
 A Sample whose lengths disagree is that sample's failure with the reason (stored, masked out), not a crash.
 
-A returned list of Samples (slime's fan-out, examples/multi_agent) is refused with one line: sluiceway's groups
-are n_samples_per_prompt rows each, which the trainer's batching, the group advantages and a resume's count of
-stored groups rely on.
+A returned list of Samples (slime's fan-out, examples/multi_agent: one prompt made into several samples, every one
+trained) becomes several rows of the group (`fan_out`): the first Sample is the planned sample's row, the others
+ride along as its `siblings`, which `Rollout.group` (tasks/rollout/rollout.py) stores as extra rows of the same
+group with sample_index n_samples_per_prompt, n+1, ... (in the order the planned samples and their lists come).
+So a group holds n or more rows: the trainer trains every trainable row (its optimizer steps take a variable
+number of rows), advantages are normalised per group (group_id: the prompt, as slime's per-prompt
+normalisation; slime itself normalises the whole batch as one row when the count is not batch x n), a resume
+counts stored groups by group_id. As slime asserts (rollout_data_utils.validate_rollout_id_annotated), a list of
+more than one Sample must share one non-None `rollout_id`. Rewards as slime's generate_and_rm gives them: a
+Sample the plugin left without a reward is scored by the reward stage per row, except that a slime-convention
+--custom-rm-path is called once with the list of those Samples (slime's batched_async_rm), here, right after the
+generate; with --group-rm the group's rm gets every row of the group (the lists flattened, in sample order).
+Every row of a fan-out has metadata "fanout_of" (the planned sample index it came from).
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import time
 from argparse import Namespace
@@ -54,6 +65,8 @@ class SampleGeneration(GenerationDefaults):
     reward_details: dict | None = None
     row_metadata: dict | None = None
     teacher_logprobs: list[float] | None = None
+    prompt_text: str | None = None
+    siblings: list[SampleGeneration] | None = None  # the other Samples of a fan-out: more rows of the group
 
     @property
     def weight_version(self) -> int:
@@ -135,6 +148,7 @@ def generation_of_sample(sample, args: Namespace, latency_s: float = 0.0) -> Sam
         weight_versions=_versions(sample.weight_versions),
         teacher_logprobs=[float(x) for x in teacher] if teacher is not None else None,
         row_metadata={**meta, "slime_sample": record},
+        prompt_text=sample.prompt if isinstance(sample.prompt, str) else None,  # what the prompt tokens say
     )
     if problem is not None:
         out.finish_reason, out.loss_mask, out.logprobs = "failed", [0] * n, []
@@ -148,6 +162,18 @@ def generation_of_sample(sample, args: Namespace, latency_s: float = 0.0) -> Sam
     return out
 
 
+def slime_label(label):
+    """A label as slime's dataset holds it: a JSON object (slime's search-r1 `reward_model`, stored as its JSON text,
+    storage/datasets.py) as the dict, anything else as stored."""
+    if isinstance(label, str) and label.startswith("{"):
+        try:
+            value = json.loads(label)
+        except ValueError:
+            return label
+        return value if isinstance(value, dict) else label
+    return label
+
+
 def prompt_sample(prompt, ctx, args: Namespace, apply_chat_template: bool):
     """A fresh slime Sample for one of the group's samples, as slime's dataset and rollout make it."""
     provide_slime_names()
@@ -159,7 +185,7 @@ def prompt_sample(prompt, ctx, args: Namespace, apply_chat_template: bool):
     text = prompt.text if apply_chat_template or prompt.source is None else prompt.source
     metadata = dict(prompt.metadata) if isinstance(prompt.metadata, dict) else {}
     return Sample(group_index=group_index, index=group_index * args.n_samples_per_prompt + i, prompt=text,
-                  label=prompt.label, metadata=metadata, session_id=ctx.routing_key)  # fmt: skip
+                  label=slime_label(prompt.label), metadata=metadata, session_id=ctx.routing_key)  # fmt: skip
 
 
 def _rid_parts(rid: str) -> tuple[int, int, int]:
@@ -222,11 +248,68 @@ class SlimeGenerate:
             out = await fn(args, sample, sampling_params)
         latency = time.perf_counter() - t0
         if isinstance(out, list):
-            raise UserError(f"{name} returned {len(out)} Samples for one: fanning a prompt out into several samples "
-                            "(slime's multi_agent) is not supported here; return one Sample")  # fmt: skip
+            check_fan_out(out, name, Sample)
+            await self._rewards(args, out)
+            return fan_out([generation_of_sample(s, args, latency) for s in out], _rid_parts(ctx.rid)[2])
         if not isinstance(out, Sample):
             raise UserError(f"{name} returned {type(out).__name__}, not a slime Sample")
         return generation_of_sample(out, args, latency)
+
+    async def _rewards(self, args: Namespace, samples: list) -> None:
+        """slime's generate_and_rm for a list: a slime-convention --custom-rm-path gets the Samples left without a
+        reward, as one list (batched_async_rm); not with --group-rm, nor when a Sample was aborted."""
+        status = [status_value(s.status) for s in samples]
+        need = [s for s in samples if s.reward is None]
+        if not need or getattr(args, "group_rm", False) or "aborted" in status or self._rm is None:
+            return
+        rewards = await _awaited(self._rm(args, need))
+        if not isinstance(rewards, list | tuple) or len(rewards) != len(need):
+            raise UserError(f"{self._rm_name} returned {rewards!r} for a list of {len(need)} Samples: "
+                            "a list of as many rewards is needed (slime's batched_async_rm)")  # fmt: skip
+        for s, r in zip(need, rewards):
+            s.reward = r
+
+    @property
+    def _rm(self):
+        """The run's --custom-rm-path when it speaks slime's convention, else None (the reward stage scores)."""
+        if not hasattr(self, "_rm_fn"):
+            self._rm_fn, self._rm_name = None, getattr(self.args, "custom_rm_path", None)
+            if self._rm_name:
+                from sluiceway.tasks.rollout.slime_plugins.convention import RM, SLIME, convention_of, load_plugin
+
+                fn = load_plugin(self._rm_name, "--custom-rm-path")
+                conv = getattr(self.args, "plugin_convention", None) or "auto"
+                if convention_of(fn, RM, conv, self._rm_name) == SLIME:
+                    self._rm_fn = fn
+        return self._rm_fn
+
+
+async def _awaited(out):
+    return await out if inspect.isawaitable(out) else out
+
+
+def check_fan_out(samples: list, name: str, sample_class) -> None:
+    """slime's own checks on a returned list: Samples, at least one, siblings sharing one non-None rollout_id."""
+    if not samples:
+        raise UserError(f"{name} returned an empty list: a fan-out needs at least one Sample")
+    bad = next((s for s in samples if not isinstance(s, sample_class)), None)
+    if bad is not None:
+        raise UserError(f"{name} returned a list holding {type(bad).__name__}, not only slime Samples")
+    ids = {getattr(s, "rollout_id", None) for s in samples}
+    if len(samples) > 1 and (None in ids or len(ids) > 1):
+        raise UserError(f"{name} returned {len(samples)} Samples whose rollout_id are {sorted(map(str, ids))}: "
+                        "a fan-out's Samples must share one rollout_id, as slime asserts (set "
+                        "s.rollout_id = sample.index, as examples/multi_agent does)")  # fmt: skip
+
+
+def fan_out(generations: list[SampleGeneration], planned: int) -> SampleGeneration:
+    """The first generation, carrying the others as `siblings`; each row marked with the planned sample it came
+    from (metadata "fanout_of")."""
+    for g in generations:
+        g.row_metadata = {**(g.row_metadata or {}), "fanout_of": planned}
+    first = generations[0]
+    first.siblings = generations[1:]
+    return first
 
 
 def load_generate(cfg, hf_dir, args=None):

@@ -23,7 +23,7 @@ from argparse import Namespace
 from collections.abc import Callable
 
 from sluiceway.tasks.rollout.slime_plugins import provide_slime_names
-from sluiceway.tasks.rollout.slime_plugins.generate import reward_of
+from sluiceway.tasks.rollout.slime_plugins.generate import reward_of, slime_label
 
 
 def _details(row: dict) -> dict:
@@ -55,7 +55,7 @@ def sample_of_row(row: dict):
         sample.loss_mask = list(record["loss_mask"]) if "loss_mask" in record else list(row["loss_mask"])
     else:
         sample = Sample(group_index=row["group_id"], index=row["sample_index"], prompt=row["prompt"],
-                        response=row["response_text"], label=row.get("label"), metadata=meta,
+                        response=row["response_text"], label=slime_label(row.get("label")), metadata=meta,
                         status=_status(Sample, row["status"]), loss_mask=list(row["loss_mask"]))  # fmt: skip
     sample.tokens = list(row["prompt_token_ids"]) + response_ids
     sample.response_length = len(response_ids)

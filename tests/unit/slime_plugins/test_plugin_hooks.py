@@ -211,39 +211,85 @@ def test_slime_dynamic_filter(tmp_path):
     assert slime_filter(lambda args, group: False, args, "mine")(spread) == "mine"
 
 
-def test_list_return_refused(tmp_path):
+def run_generate(tmp_path, fn, args=None):
+    """`SlimeGenerate` around `fn` for the planned sample 2 of group 1 (no engine, no tokenizer)."""
     from sluiceway.tasks.rollout.multiturn import GenerateContext
     from sluiceway.tasks.rollout.rollout import PromptItem
     from sluiceway.tasks.rollout.slime_plugins.generate import SlimeGenerate
 
-    async def fan_out(args, sample, sampling_params):
-        return [sample, sample]
-
     (tmp_path / "tokenizer_config.json").write_text("{}")
-    args = args_ns(tmp_path)
+    args = args or args_ns(tmp_path)
 
     class State:  # GenerateState without a tokenizer to load
         sampling_params = {"temperature": 1.0}
 
     import slime.rollout.sglang_rollout as sr
 
-    gen = SlimeGenerate(fan_out, "mod.fan_out", args, False)
+    gen = SlimeGenerate(fn, "mod.fn", args, False)
     ctx = GenerateContext(client=None, tokenizer=None, rid="run/0/1/2", max_new_tokens=8)
-    prompt = PromptItem("p0", "Q?", [1], "4", {})
-    orig = sr.GenerateState
-    sr.GenerateState = lambda args: State()
+    orig, sr.GenerateState = sr.GenerateState, lambda args: State()
     try:
-        with pytest.raises(UserError, match="not supported here; return one Sample"):
-            asyncio.run(gen(ctx, prompt, {"sampling_seed": 5}))
+        return asyncio.run(gen(ctx, PromptItem("p0", "Q?", [1], "4", {}), {"sampling_seed": 5}))
     finally:
         sr.GenerateState = orig
+
+
+def agent_sample(sample, k: int, reward=None) -> Sample:
+    s = Sample(index=sample.index, prompt=f"agent {k}", label=sample.label, tokens=[1, 2, 10 + k], response_length=1,
+               rollout_log_probs=[-0.5], status=Sample.Status.COMPLETED, reward=reward)  # fmt: skip
+    s.rollout_id = sample.index
+    return s
+
+
+def test_fan_out_becomes_sibling_rows(tmp_path):
+    """slime's multi_agent: a list of Samples for one, sharing rollout_id: every one a row of the group; the
+    slime --custom-rm-path gets the Samples left without a reward as one list (batched_async_rm)."""
+    (tmp_path / "rm.py").write_text(
+        "async def rm(args, samples):\n    return [{'score': len(samples) + 0.5}] * len(samples)\n"
+    )
+    args = args_ns(tmp_path)
+    args.custom_rm_path = f"{tmp_path / 'rm.py'}:rm"
+
+    async def fan(args, sample, sampling_params):
+        return [agent_sample(sample, 0, reward={"score": 1.0}), agent_sample(sample, 1), agent_sample(sample, 2)]
+
+    g = run_generate(tmp_path, fan, args)
+    assert [x.token_ids for x in [g, *g.siblings]] == [[10], [11], [12]]
+    assert [x.reward for x in [g, *g.siblings]] == [1.0, 2.5, 2.5]
+    assert all(x.row_metadata["fanout_of"] == 2 for x in [g, *g.siblings])
+    assert g.siblings[0].row_metadata["slime_sample"]["rollout_id"] == g.row_metadata["slime_sample"]["rollout_id"]
+
+    from sluiceway.tasks.rollout.rollout import with_siblings
+
+    plain = generation_of_sample(agent_sample(Sample(index=0), 5), args)
+    assert [x.token_ids for x in with_siblings([plain, g])] == [[15], [10], [11], [12]]
+    assert with_siblings([plain]) == [plain]
+
+
+def test_fan_out_needs_one_rollout_id(tmp_path):
+    async def unlabelled(args, sample, sampling_params):
+        return [agent_sample(sample, 0), Sample(tokens=[1, 2], response_length=1, status=Sample.Status.COMPLETED)]
+
+    with pytest.raises(UserError, match="must share one rollout_id"):
+        run_generate(tmp_path, unlabelled)
+
+    async def empty(args, sample, sampling_params):
+        return []
+
+    with pytest.raises(UserError, match="empty list"):
+        run_generate(tmp_path, empty)
+
+    async def one(args, sample, sampling_params):  # a list of one needs no rollout_id
+        return [Sample(tokens=[1, 2], response_length=1, status=Sample.Status.COMPLETED)]
+
+    assert run_generate(tmp_path, one).siblings == []
 
 
 def test_hook_flags_refused_by_name():
     from sluiceway.flows.slime.treatments import REFUSED
 
-    hooks = ["--custom-reward-post-process-path", "--rollout-sample-filter-path", "--buffer-filter-path",
-             "--custom-loss-function-path", "--data-source-path", "--custom-rollout-log-function-path"]  # fmt: skip
+    hooks = ["--custom-reward-post-process-path", "--buffer-filter-path", "--custom-loss-function-path",
+             "--data-source-path", "--custom-eval-rollout-log-function-path"]  # fmt: skip
     for flag in hooks:
         assert SLIME_FLAGS[flag].kind == REFUSED, flag
     assert "--rollout-max-context-len" in field_flags() and "--custom-config-path" in field_flags()
