@@ -288,3 +288,41 @@ def test_a_custom_generate_function_drives_the_engine_turn_by_turn(store):
         assert r["response_token_ids"] == [100, 101, 102, 7, 7, 100, 101, 102]
         assert r["loss_mask"] == [1, 1, 1, 0, 0, 1, 1, 1] and len(r["rollout_logprobs"]) == 8
         assert r["weight_versions"] == [2] and r["status"] == "completed"
+
+
+def test_a_fan_out_is_more_rows_of_the_group(store):
+    """A generation carrying siblings (a slime generate's list of Samples): every one a row of the same group,
+    sample_index after the planned ones; the group is judged and stored whole, a re-run finds it stored, and its
+    advantages are normalised over all its rows."""
+    from dataclasses import dataclass, field
+
+    from sluiceway.tasks.rollout.generation import GenerationDefaults
+    from sluiceway.tasks.train.batch import build_train_samples
+
+    @dataclass
+    class Made(GenerationDefaults):
+        token_ids: list[int] = field(default_factory=list)
+        logprobs: list[float] = field(default_factory=list)
+        finish_reason: str = "stop"
+        latency_s: float = 0.0
+        weight_version: int = 1
+        siblings: list | None = None
+
+    async def agents(ctx, prompt, params):
+        i = int(ctx.rid.rsplit("/", 1)[1])
+        return Made([50 + i], [-0.5], siblings=[Made([60 + i], [-0.25]), Made([70 + i], [-0.125])])
+
+    s = settings(groups_needed=1, groups_submitted=1, custom_generate=agents)
+    work = plan_step(store, "r", 0, prompts(1), s, [])
+    first = asyncio.run(rollout(FakeEngine(), store, 0, work, s))
+    rows = rows_by_group(store, 0)[0]
+    assert [r["sample_index"] for r in rows] == list(range(6)) and first.samples_written == 6
+    assert [r["response_token_ids"] for r in rows] == [[50], [51], [60], [70], [61], [71]]
+    assert all(r["filter_reason"] is None and r["status"] == "completed" for r in rows)
+    again = asyncio.run(rollout(FakeEngine(), store, 0, work, s))
+    assert again.groups_skipped == 1 and again.samples_written == 0
+    from sluiceway.storage.trajectories import set_rewards
+
+    set_rewards(store, "r", 0, [(0, r["sample_index"], float(r["sample_index"] % 2), None) for r in rows])
+    samples = build_train_samples(read_trajectories(store, "r", 0), "grpo", False)
+    assert len(samples) == 6 and abs(sum(x.advantage for x in samples)) < 1e-6
