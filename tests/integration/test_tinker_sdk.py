@@ -176,6 +176,12 @@ def test_killed_server_restarts_from_its_store(server, service):
     with pytest.raises(Exception, match="saved already"):
         tc.save_state("two-steps").result()
 
+    # A sampled sequence of this test's own (the file's earlier tests sample too; this one does not lean on them).
+    sampler = tc.save_weights_for_sampler("restart").result().path
+    sc = service.create_sampling_client(model_path=sampler).result()
+    prompt = types.ModelInput.from_ints(tok.encode("A kill"))
+    sc.sample(prompt, num_samples=2, sampling_params=types.SamplingParams(max_tokens=4, seed=3)).result()
+
     store = ObjectStore.from_uri(str(server.store))
     rows = read_requests(store, "it").to_pylist()
     mine = [r for r in rows if r["model_id"] == tc.model_id]
@@ -184,10 +190,11 @@ def test_killed_server_restarts_from_its_store(server, service):
     first_row = mine[1]
     assert first_row["loss"] == pytest.approx(first.metrics["loss:sum"]) and first_row["loss_fn"] == "cross_entropy"
     assert first_row["num_datums"] == 2 and first_row["status"] == "ok" and first_row["seq_id"] == 1
-    assert mine[-1]["status"] == "error" and "saved already" in mine[-1]["error"]
-    assert {"asample", "forward"} <= {r["request_type"] for r in rows}  # the earlier tests' requests
-    samples = read_samples(store, "it")
-    assert samples.num_rows >= 4 and "/sampler_weights/step-4" in samples.column("sampler_path")[0].as_py()
+    assert [r["request_type"] for r in mine][-2:] == ["save_weights", "save_weights_for_sampler"]
+    assert mine[-2]["status"] == "error" and "saved already" in mine[-2]["error"]
+    assert {"asample", "forward"} <= {r["request_type"] for r in rows}
+    mine_sampled = [r for r in read_samples(store, "it").to_pylist() if r["sampler_path"] == sampler]
+    assert len(mine_sampled) == 2 and all(1 <= len(r["output_token_ids"]) <= 4 for r in mine_sampled)
 
     server.kill()
     server.start()
