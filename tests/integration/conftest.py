@@ -45,18 +45,19 @@ def _seeded_cache(request, tmp_path, warm_cache):
 
 
 @pytest.fixture(scope="session")
-def two_step_run(tmp_path_factory):
+def two_step_run(tmp_path_factory, warm_cache):
     """A finished 2-step run with cli_run's settings (`run_cli(run_dir, cache, "--num-rollout", "2")`), run id
     "run", and the cache it was made with. Tests never write to it: test_replay_eval.py replays and evaluates it
     into directories of its own, test_faults.py copies it (copy_run) before extending or damaging it."""
     base = tmp_path_factory.mktemp("two-step-run")
     run_dir, cache = base / "run", base / "cache"
+    shutil.copytree(warm_cache, cache)  # the session's precision probe: runs compared with it chose the same
     run_cli(run_dir, cache, "--num-rollout", "2")
     return run_dir, cache
 
 
 @pytest.fixture(scope="session")
-def dp2_cli_run(tmp_path_factory):
+def dp2_cli_run(tmp_path_factory, warm_cache):
     """`sluiceway run --num-rollout 2 --actor-num-gpus-per-node 2 --use-distributed-optimizer` with cli_run's
     settings (a DP=2 torchrun group with the sharded optimizer), run with this machine's LAN address as hostname
     where the kernel allows, every listening socket of its processes sampled until it ended
@@ -65,6 +66,7 @@ def dp2_cli_run(tmp_path_factory):
     from test_loopback_sockets import run_sampling_sockets
 
     base = tmp_path_factory.mktemp("dp2-run")
+    shutil.copytree(warm_cache, base / "cache")
     run_dir = base / "run"
     cmd = cli_args(run_dir, "--num-rollout", "2", "--actor-num-gpus-per-node", "2", "--use-distributed-optimizer")
     env = dict(os.environ, SLUICEWAY_CACHE=str(base / "cache"))

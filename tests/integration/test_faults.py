@@ -110,8 +110,12 @@ def checkpoint_step(run_dir: Path) -> int | None:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
+def cache(tmp_path_factory, warm_cache) -> Path:
+    """The module's cache: the session's warm one, so its runs and the shared two_step_run chose the same
+    precision from one probe (probed apart, a loaded machine could make one bf16 and the other fp32)."""
+    cache = tmp_path_factory.mktemp("module-cache") / "cache"
+    shutil.copytree(warm_cache, cache)
+    return cache
 
 
 @pytest.fixture(scope="module")
