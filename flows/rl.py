@@ -155,7 +155,7 @@ def teacher_task(run_id: str, step: int) -> dict:
 def filter_task(run_id: str, step: int) -> dict:
     rt = runtime.get(run_id)
     filters = build_filters(rt.cfg.rollout, current_version=rt.trainer.weight_version,
-                            slime_args=lambda: rt.prep.slime_args)  # fmt: skip
+                            slime_args=rt.prep.slime_args)  # fmt: skip
     metrics = filter_step(store=rt.store, run_id=run_id, step=step, filters=filters).metrics()
     # slime's per-step rollout hooks, on the scored and filtered step (tasks/rollout/slime_plugins/hooks.py)
     return metrics | run_step_hooks(rt.cfg.rollout, rt.prep.slime_args, rt.store, run_id, step, metrics)

@@ -70,7 +70,7 @@ def prepare(cfg: RunConfig) -> Prepared:
         raise UserError(f"--prompt-data {cfg.data.prompt_data}: no prompts")
     rollout_filter = None
     if (path := cfg.rollout.dynamic_sampling_filter_path) is not None:
-        dynamic = user_filter(path, cfg.rollout.plugin_convention, lambda: slime)
+        dynamic = user_filter(path, cfg.rollout.plugin_convention, slime)
         rollout_filter = scoring_filter(reward_settings, [dynamic])
     tokenizer = load_tokenizer(hf_dir)
     prompts = render_items(cfg, tokenizer, rows)

@@ -46,11 +46,11 @@ def overlong(max_tokens: int) -> GroupFilter:
 BUILTIN = {"zero_std": zero_std, "truncated": truncated}
 
 
-def user_filter(path: str, convention: str = "auto", slime_args: Callable | None = None) -> GroupFilter:
+def user_filter(path: str, convention: str = "auto", slime_args: object | None = None) -> GroupFilter:
     """A built-in by name, or a function ('module:fn', 'file.py:fn' or slime's dotted 'module.fn'): sluiceway's
     `fn(rows)` returning keep (True/None) or drop (False/reason), or slime's `fn(args, group)` returning a bool or a
     DynamicFilterOutput (tasks/rollout/slime_plugins/reward.py), told apart by its signature or `convention`;
-    `slime_args()` gives slime's `args`."""
+    `slime_args` is the run's slime `args` (flows/runtime.py `prepare`)."""
     from sluiceway.tasks.rollout.slime_plugins.convention import FILTER, SLIME, convention_of, load_plugin
 
     if path in BUILTIN:
@@ -62,7 +62,7 @@ def user_filter(path: str, convention: str = "auto", slime_args: Callable | None
 
         if slime_args is None:
             raise ValueError("a slime-style filter needs the run's slime args")
-        return slime_filter(fn, slime_args(), name)
+        return slime_filter(fn, slime_args, name)
 
     def check(rows: list[dict]) -> str | None:
         verdict = fn(rows)
@@ -73,7 +73,7 @@ def user_filter(path: str, convention: str = "auto", slime_args: Callable | None
     return check
 
 
-def build_filters(rollout_cfg, current_version: int, slime_args: Callable | None = None) -> list[GroupFilter]:
+def build_filters(rollout_cfg, current_version: int, slime_args: object | None = None) -> list[GroupFilter]:
     """The filter stage's filters, in the order that names a dropped group's reason."""
     r = rollout_cfg
     filters: list[GroupFilter] = []
