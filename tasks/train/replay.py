@@ -47,16 +47,18 @@ def resolve_version(store: ObjectStore, version: int | None = None, timestamp: _
     if timestamp is None:
         return latest
     ts = timestamp if timestamp.tzinfo else timestamp.replace(tzinfo=_dt.UTC)
-    # deltalake quietly answers version 0 for a time before the table existed; that would replay rows that
-    # were not there yet, so say so instead.
-    first_ms = min(h["timestamp"] for h in dt.history())
-    first = _dt.datetime.fromtimestamp(first_ms / 1000, _dt.UTC)
-    if ts < first:
+    ts_ms = (ts - _dt.datetime(1970, 1, 1, tzinfo=_dt.UTC)) // _dt.timedelta(milliseconds=1)
+    # Resolved from the commits' own timestamps (what `history()` shows), not with deltalake's
+    # load_as_version(datetime): that one compares against the log files' modification times, which on a loaded
+    # machine can fall a millisecond after the commit's timestamp, so the moment of a commit read the one before.
+    # deltalake also answers version 0 for a time before the table existed; that would replay rows that were not
+    # there yet, so say so instead.
+    history = [(h["timestamp"], h["version"]) for h in dt.history()]
+    at_or_before = [v for when, v in history if when <= ts_ms]
+    if not at_or_before:
+        first = _dt.datetime.fromtimestamp(min(when for when, _ in history) / 1000, _dt.UTC)
         raise UserError(f"--replay-timestamp {ts.isoformat()}: before the first commit of {uri} ({first.isoformat()})")
-    at = open_table(store, TRAJECTORIES, version=latest)  # a table of its own: the shared handle stays current
-    with store.redacting():
-        at.load_as_version(ts)
-    return at.version()
+    return max(at_or_before)
 
 
 def open_source(
