@@ -95,9 +95,15 @@ def check_conventions(cfg: RunConfig) -> None:
     if r.dynamic_sampling_filter_path not in (None, "zero_std", "truncated"):
         hooks.append((r.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path", "filter"))
     hooks = [h for h in hooks if h[0]]
-    if not hooks:
+    from sluiceway.tasks.rollout.slime_plugins.hooks import HOOKS as STEP_HOOKS
+
+    step_hooks = {k: getattr(r, k) for k in STEP_HOOKS if getattr(r, k, None)}
+    if not hooks and not step_hooks:
         return
     from sluiceway.tasks.rollout.slime_plugins.convention import SLIME, convention_of, load_plugin
+
+    for field, path in step_hooks.items():  # slime's convention only: importing them is the check
+        load_plugin(path, STEP_HOOKS[field])
 
     for path, flag, hook in hooks:
         convention = convention_of(load_plugin(path, flag), hook, r.plugin_convention, path)

@@ -83,6 +83,12 @@ class RolloutConfig(Group):
         "its return value is ignored: the metrics table is always written.",
         json_schema_extra={"slime_hook": True},
     )
+    custom_reward_post_process_path: str | None = Field(
+        None,
+        description="slime's fn(args, samples) -> (raw_rewards, rewards), samples the step's trained Samples: "
+        "`rewards` replace the advantage estimator's group baselines (docs/slime.md).",
+        json_schema_extra={"slime_hook": True},
+    )
     agent_function_path: str | None = Field(
         None,
         description="'module:fn' or 'file.py:fn': your agent, fn(base_url, api_key, prompt) (sync or async), run "

@@ -73,7 +73,7 @@ _PLUGINS_2 = (
     "(`load_tokenizer`), `slime.rollout.sglang_rollout` (`GenerateState`, `generate`, `generate_and_rm`), "
     "`slime.rollout.rm_hub` (`async_rm`, `batched_async_rm`) and `slime.rollout.filter_hub` "
     "(`DynamicFilterOutput`, `check_reward_nonzero_std`). slime's top-p replay is not: a slime generate "
-    "needs `--rollout-top-p 1`. slime's other hooks (the refused table: reward post-processing, "
+    "needs `--rollout-top-p 1`. slime's other hooks (the refused table: "
     "buffer filters, data sources, eval log functions, the trainer-side losses and hooks) are one line "
     "each, before any engine starts."
 )
@@ -91,8 +91,18 @@ _PLUGINS_3 = (
     "`--custom-rollout-log-function-path` gets `(rollout_id, args, samples, rollout_extra_metrics, "
     "rollout_time)`: the step, the trained Samples flattened, the filter stage's metrics, the seconds from "
     "the step's first request to its last stored row; its return value (in slime: skip the default "
-    "logging) is ignored: the metrics table and the run's loggers are always written. These three are "
-    "fields not listed by `run --help`; `run --help-slime` lists them."
+    "logging) is ignored: the metrics table and the run's loggers are always written. These three and the "
+    "reward post-process below are fields not listed by `run --help`; `run --help-slime` lists them."
+)
+
+_PLUGINS_4 = (
+    "`--custom-reward-post-process-path` gets `(args, samples)`, the step's trained Samples (after the three "
+    "hooks above, the removed ones included, as slime passes them) and returns `(raw_rewards, rewards)`, one "
+    "finite number each per sample (anything else is one line naming the hook). As in slime, `rewards` take the "
+    "place of the advantage estimator's group baselines: they are the advantages with grpo, gspo and the "
+    "other group estimators, whitened over the batch's tokens with reinforce_plus_plus_baseline, and the "
+    "sequence reward the per-token estimators (ppo, reinforce_plus_plus) start from. Both are stored in each "
+    "row's `metadata.reward_post_process` (`raw`, `reward`); the `reward` column keeps the reward stage's score."
 )
 
 
@@ -171,6 +181,7 @@ def render_markdown() -> str:
         "| `--rollout-all-samples-process-path` | `fn(args, all_samples, data_source)` | - |",
         "| `--custom-rollout-log-function-path` | "
         "`fn(rollout_id, args, samples, rollout_extra_metrics, rollout_time)` | - |",
+        "| `--custom-reward-post-process-path` | `fn(args, samples)` -> `(raw_rewards, rewards)` | - |",
         "",
         *textwrap.wrap(break_on_hyphens=False, text=_PLUGINS_0, width=110),
         "",
@@ -179,6 +190,8 @@ def render_markdown() -> str:
         *textwrap.wrap(break_on_hyphens=False, text=_PLUGINS_2, width=110),
         "",
         *textwrap.wrap(break_on_hyphens=False, text=_PLUGINS_3, width=110),
+        "",
+        *textwrap.wrap(break_on_hyphens=False, text=_PLUGINS_4, width=110),
         "",
         "## Implemented",
         "",

@@ -296,13 +296,9 @@ def _hook(why: str, nargs: int | str = 1) -> Flag:
 # slime's hooks (its arguments.py) that no sluiceway stage calls: each refused by name before anything starts. The
 # ones that do run are sluiceway fields: --custom-generate-function-path, --custom-rm-path (with --group-rm) and
 # --dynamic-sampling-filter-path take slime's functions (tasks/rollout/slime_plugins/, docs/slime.md), and
-# --rollout-sample-filter-path, --rollout-all-samples-process-path and --custom-rollout-log-function-path run after
-# the filter stage (tasks/rollout/slime_plugins/hooks.py).
+# --rollout-sample-filter-path, --rollout-all-samples-process-path, --custom-rollout-log-function-path and
+# --custom-reward-post-process-path run after the filter stage (tasks/rollout/slime_plugins/hooks.py).
 HOOK_FLAGS: dict[str, Flag] = {
-    "--custom-reward-post-process-path": _hook(
-        "the advantage stage computes its own baselines from the stored rewards and takes no precomputed ones "
-        "(--custom-rm-path with --group-rm scores whole groups)"
-    ),
     "--rollout-sample-hook-path": _hook("per-sample hooks before the reward are not called"),
     "--buffer-filter-path": _hook("sluiceway's buffer is the trajectories table; groups are taken in step order"),
     "--data-source-path": _hook("prompts come from --prompt-data through sluiceway's own dataset loader"),

@@ -107,15 +107,22 @@ def group_advantages(
             centred = centred / (r.std() + EPS) if r.numel() > 1 else torch.zeros_like(r)
         adv[idx] = centred
     if estimator == "reinforce_plus_plus_baseline":
-        if token_counts is None or token_counts.shape != rewards.shape:
-            raise ValueError("reinforce_plus_plus_baseline whitens over tokens: pass each sample's token_counts")
-        w = token_counts.double()  # each sample's value stands for w tokens of equal advantage
-        n = float(w.sum())
-        mean = float((w * adv).sum()) / max(n, 1.0)
-        adv = (adv - mean) * whitening_scale(n, float((w * (adv - mean).square()).sum()))
+        adv = whiten_over_tokens(adv, token_counts)
     elif estimator not in ("grpo", "dr_grpo", "rloo"):
         raise ValueError(f"unknown advantage estimator {estimator!r}")
     return adv.float()
+
+
+def whiten_over_tokens(values: torch.Tensor, token_counts: torch.Tensor | None) -> torch.Tensor:
+    """reinforce_plus_plus_baseline's batch whitening of per-sample values, weighted by each sample's trained
+    tokens (a sample of 12 trained tokens weighs 12, one of 1 weighs 1)."""
+    if token_counts is None or token_counts.shape != values.shape:
+        raise ValueError("reinforce_plus_plus_baseline whitens over tokens: pass each sample's token_counts")
+    w = token_counts.double()  # each sample's value stands for w tokens of equal advantage
+    values = values.double()
+    n = float(w.sum())
+    mean = float((w * values).sum()) / max(n, 1.0)
+    return (values - mean) * whitening_scale(n, float((w * (values - mean).square()).sum()))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

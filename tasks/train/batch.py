@@ -6,13 +6,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pyarrow as pa
 import torch
 
 from sluiceway.storage.trajectories import ABORTED, TRUNCATED, is_trainable
-from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS, group_advantages
+from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS, group_advantages, whiten_over_tokens
 from sluiceway.tasks.train.samples import NonFiniteTraining, TrainSample, sample_name
 
 
@@ -35,14 +36,21 @@ def build_train_samples(table: pa.Table, estimator: str, normalize_by_std: bool)
         )
     rewards = torch.tensor([r["reward"] for r in rows])
     groups = torch.tensor([r["group_id"] for r in rows])
+    trained = torch.tensor([sum(r["loss_mask"] or []) for r in rows])  # R++-baseline whitens over these tokens
+    processed = post_processed_rewards(rows)
+    seq_rewards = [r["reward"] for r in rows]
+    if processed is not None and estimator in TOKEN_LEVEL_ESTIMATORS:
+        seq_rewards = processed  # the sequence reward the trainer's per-token estimator starts from
     if estimator in TOKEN_LEVEL_ESTIMATORS:
         adv = torch.zeros(len(rows))  # per-token advantages come from the trainer (values, reference), not here
+    elif processed is not None:
+        # slime's custom reward post-process: its rewards are the advantages (slime's grpo/gspo/cispo), whitened over
+        # the batch's tokens for reinforce_plus_plus_baseline, as slime does.
+        values = torch.tensor(processed, dtype=torch.float64)
+        adv = whiten_over_tokens(values, trained) if estimator == "reinforce_plus_plus_baseline" else values
     else:
         # GSPO keeps GRPO's group-relative advantages; only its importance ratio is per sequence (the loss).
-        trained = torch.tensor([sum(r["loss_mask"] or []) for r in rows])  # R++-baseline whitens over these tokens
-        adv = group_advantages(
-            rewards, groups, "grpo" if estimator == "gspo" else estimator, normalize_by_std, trained
-        )
+        adv = group_advantages(rewards, groups, "grpo" if estimator == "gspo" else estimator, normalize_by_std, trained)
     return [
         TrainSample(
             prompt_token_ids=r["prompt_token_ids"],
@@ -50,14 +58,29 @@ def build_train_samples(table: pa.Table, estimator: str, normalize_by_std: bool)
             loss_mask=r["loss_mask"],
             advantage=float(a),
             rollout_logprobs=r["rollout_logprobs"],
-            reward=float(r["reward"]),
+            reward=float(reward),
             teacher_logprobs=r.get("teacher_logprobs"),
             group_id=r["group_id"],
             sample_index=r["sample_index"],
         )
-        for r, a in zip(rows, adv.tolist())
+        for r, a, reward in zip(rows, adv.tolist(), seq_rewards)
         if r["response_token_ids"]  # an empty response has no token to train on
     ]
+
+
+def post_processed_rewards(rows: list[dict]) -> list[float] | None:
+    """The rewards slime's --custom-reward-post-process-path gave the step's trained rows
+    (tasks/rollout/slime_plugins/hooks.py stores them in metadata.reward_post_process), or None without one."""
+    got = [json.loads(r.get("metadata") or "{}").get("reward_post_process") for r in rows]
+    if all(g is None for g in got):
+        return None
+    missing = next((r for r, g in zip(rows, got) if g is None), None)
+    if missing is not None:
+        raise RuntimeError(
+            f"step {missing['step']}{sample_name(missing['group_id'], missing['sample_index'])}: the reward "
+            "post-process gave no reward for this trained sample while it gave others one"
+        )
+    return [float(g["reward"]) for g in got]
 
 
 def rollout_metrics(table: pa.Table) -> dict[str, float]:
@@ -81,9 +104,7 @@ def rollout_metrics(table: pa.Table) -> dict[str, float]:
         "zero_std_group_frac": sum(len(set(v)) == 1 for v in by_group.values()) / max(len(by_group), 1),
         "samples": float(len(rows)),
         "samples_aborted": float(sum(r["status"] == ABORTED for r in all_rows)),
-        "samples_filtered": float(
-            sum(r["status"] != ABORTED and r.get("filter_reason") is not None for r in all_rows)
-        ),
+        "samples_filtered": float(sum(r["status"] != ABORTED and r.get("filter_reason") is not None for r in all_rows)),
     }
 
 

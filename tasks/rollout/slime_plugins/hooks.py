@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 from argparse import Namespace
 
 import pyarrow as pa
 
+from sluiceway.infra.errors import UserError
 from sluiceway.storage.trajectories import is_finished, read_trajectories, update_samples
 from sluiceway.tasks.rollout.slime_plugins.convention import load_plugin
 from sluiceway.tasks.rollout.slime_plugins.reward import sample_of_row
@@ -36,6 +38,7 @@ HOOKS = {
     "rollout_sample_filter_path": "--rollout-sample-filter-path",
     "rollout_all_samples_process_path": "--rollout-all-samples-process-path",
     "custom_rollout_log_function_path": "--custom-rollout-log-function-path",
+    "custom_reward_post_process_path": "--custom-reward-post-process-path",
 }
 
 
@@ -110,7 +113,37 @@ def run_step_hooks(rollout_cfg, args: Namespace, store, run_id: str, step: int, 
         fn = load_plugin(hooks["custom_rollout_log_function_path"], HOOKS["custom_rollout_log_function_path"])
         samples = [s for group in data for s in group]
         _run(fn(step, args, samples, dict(metrics), rollout_time(rows)))  # its bool: see the module's docstring
+    if "custom_reward_post_process_path" in hooks:
+        path = hooks["custom_reward_post_process_path"]
+        fn = load_plugin(path, HOOKS["custom_reward_post_process_path"])
+        trained = [(r, s) for g in kept for r, s in zip(by_group[g], groups[g])]
+        raw, processed = post_processed(_run(fn(args, [s for _, s in trained])), len(trained), path)
+        _store_post_processed(store, run_id, step, [r for r, _ in trained], raw, processed)
+        if processed:
+            out["rollout/reward_post_process/mean"] = sum(processed) / len(processed)
     return out
+
+
+def post_processed(out, n: int, path: str) -> tuple[list[float], list[float]]:
+    """The hook's `(raw_rewards, rewards)`, each n finite numbers; anything else is one line naming the hook."""
+    where = f"--custom-reward-post-process-path {path}"
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+        raise UserError(f"{where}: returned {type(out).__name__}; expected (raw_rewards, rewards), two lists")
+    lists = []
+    for name, values in zip(("raw_rewards", "rewards"), out):
+        values = values.tolist() if hasattr(values, "tolist") else values
+        if not isinstance(values, list | tuple) or len(values) != n:
+            got = len(values) if isinstance(values, list | tuple) else type(values).__name__
+            raise UserError(f"{where}: {name} has {got} values; expected one per sample given ({n})")
+        bad = next((i for i, v in enumerate(values) if not _finite_number(v)), None)
+        if bad is not None:
+            raise UserError(f"{where}: {name}[{bad}] is {values[bad]!r}; expected a finite number")
+        lists.append([float(v) for v in values])
+    return lists[0], lists[1]
+
+
+def _finite_number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _store_removed(store, run_id: str, step: int, marked: list[tuple[dict, object]]) -> None:
@@ -126,6 +159,21 @@ def _store_removed(store, run_id: str, step: int, marked: list[tuple[dict, objec
         record.setdefault("loss_mask", list(r["loss_mask"]))
         masks.append([0] * len(r["loss_mask"]))
         metas.append(json.dumps(meta, default=str))
+        r["metadata"], r["loss_mask"] = metas[-1], masks[-1]  # what a later hook of this step stores on top
     columns = {"loss_mask": pa.array(masks, pa.list_(pa.int8())), "metadata": pa.array(metas, pa.string())}
     keys = [(r["group_id"], r["sample_index"]) for r, _ in marked]
     update_samples(store, run_id, step, keys, columns, "rollout_sample_filter")
+
+
+def _store_post_processed(store, run_id: str, step: int, rows: list[dict], raw: list[float], processed: list[float]):
+    """Each trained row's metadata.reward_post_process: {"raw": ..., "reward": ...}; the trainer takes "reward"
+    (tasks/train/batch.py `post_processed_rewards`). The reward column keeps the reward stage's value."""
+    if not rows:
+        return
+    metas = []
+    for r, a, b in zip(rows, raw, processed):
+        meta = json.loads(r.get("metadata") or "{}")
+        meta["reward_post_process"] = {"raw": a, "reward": b}
+        metas.append(json.dumps(meta, default=str))
+    keys = [(r["group_id"], r["sample_index"]) for r in rows]
+    update_samples(store, run_id, step, keys, {"metadata": pa.array(metas, pa.string())}, "reward_post_process")

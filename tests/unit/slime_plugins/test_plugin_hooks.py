@@ -288,7 +288,7 @@ def test_fan_out_needs_one_rollout_id(tmp_path):
 def test_hook_flags_refused_by_name():
     from sluiceway.flows.slime.treatments import REFUSED
 
-    hooks = ["--custom-reward-post-process-path", "--buffer-filter-path", "--custom-loss-function-path",
+    hooks = ["--rollout-sample-hook-path", "--buffer-filter-path", "--custom-loss-function-path",
              "--data-source-path", "--custom-eval-rollout-log-function-path"]  # fmt: skip
     for flag in hooks:
         assert SLIME_FLAGS[flag].kind == REFUSED, flag

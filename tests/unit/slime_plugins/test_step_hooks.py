@@ -77,6 +77,68 @@ def test_hooks_on_a_stored_step(tmp_path):
     assert back.remove_sample and back.loss_mask == [1, 0, 1]
 
 
+def scale_rewards(args, samples):
+    """slime's shape: (raw_rewards, rewards), here rewards centred over the whole step and scaled by args."""
+    SEEN["post"] = [(s.group_index, s.index, s.remove_sample) for s in samples]
+    raw = [s.get_reward_value(args) for s in samples]
+    mean = sum(raw) / len(raw)
+    return raw, [args.scale * (r - mean) for r in raw]
+
+
+def test_reward_post_process_gives_the_advantages(tmp_path):
+    from sluiceway.tasks.train.batch import build_train_samples
+
+    store = ObjectStore.from_uri(str(tmp_path / "tables"))
+    rows = [row(0, 0, 1.0), row(0, 1, 0.0), row(1, 0, 1.0), row(1, 1, 0.5), row(2, 0, 1.0, "zero_std")]
+    append_trajectories(store, rows, app_id="r/0")
+    mod = __name__
+    cfg = RunConfig(data={"prompt_data": "env:arithmetic"},
+                    rollout={"rollout_sample_filter_path": f"{mod}.sample_filter",
+                             "custom_reward_post_process_path": f"{mod}.scale_rewards"})  # fmt: skip
+    SEEN.clear()
+    out = run_step_hooks(cfg.rollout, Namespace(scale=2.0, reward_key=None), store, "r", 0, {})
+    # The trained samples, the one the sample filter removed included (as slime passes them), not the dropped group.
+    assert SEEN["post"] == [(0, 0, False), (0, 1, False), (1, 10, True), (1, 11, False)]
+    assert out == {"rollout/sample_filter/removed": 1.0, "rollout/reward_post_process/mean": 0.0}
+    table = read_trajectories(store, "r", 0)
+    stored = {(r["group_id"], r["sample_index"]): r for r in table.to_pylist()}
+    assert json.loads(stored[(0, 0)]["metadata"])["reward_post_process"] == {"raw": 1.0, "reward": 0.75}
+    assert json.loads(stored[(1, 0)]["metadata"])["slime_sample"]["remove_sample"]  # both hooks' marks kept
+    assert stored[(1, 0)]["loss_mask"] == [0, 0, 0] and stored[(0, 0)]["reward"] == 1.0  # reward column unchanged
+    # mean of (1, 0, 1, 0.5) is 0.625: the processed rewards are the advantages as given, not group-normalised again.
+    for estimator in ("grpo", "gspo", "rloo"):
+        samples = build_train_samples(table, estimator, True)
+        assert [s.advantage for s in samples] == pytest.approx([0.75, -1.25, 0.75, -0.25])
+        assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 0.5]
+    ppo = build_train_samples(table, "ppo", True)  # a per-token estimator starts from the processed reward
+    assert [s.reward for s in ppo] == pytest.approx([0.75, -1.25, 0.75, -0.25])
+    rpp = build_train_samples(table, "reinforce_plus_plus_baseline", True)
+    assert sum(s.advantage * sum(s.loss_mask) for s in rpp) == pytest.approx(0.0, abs=1e-6)  # whitened over tokens
+
+
+def bad_post_process(args, samples):
+    return [1.0] * len(samples), [float("nan")] + [0.0] * (len(samples) - 1)
+
+
+def short_post_process(args, samples):
+    return [1.0], [1.0]
+
+
+@pytest.mark.parametrize(("fn", "message"), [("bad_post_process", r"rewards\[0\] is nan; expected a finite number"),
+                                             ("short_post_process", r"raw_rewards has 1 values; expected one per "
+                                                                    r"sample given \(2\)")])  # fmt: skip
+def test_reward_post_process_output_is_checked(tmp_path, fn, message):
+    from sluiceway.infra.errors import UserError
+
+    store = ObjectStore.from_uri(str(tmp_path / "tables"))
+    append_trajectories(store, [row(0, 0, 1.0), row(0, 1, 0.0)], app_id="r/0")
+    cfg = RunConfig(data={"prompt_data": "env:arithmetic"},
+                    rollout={"custom_reward_post_process_path": f"{__name__}.{fn}"})  # fmt: skip
+    with pytest.raises(UserError, match=f"--custom-reward-post-process-path {__name__}.{fn}: {message}"):
+        run_step_hooks(cfg.rollout, Namespace(), store, "r", 0, {})
+    assert all("reward_post_process" not in r["metadata"] for r in read_trajectories(store, "r", 0).to_pylist())
+
+
 def test_no_hooks_reads_nothing(tmp_path):
     cfg = RunConfig(data={"prompt_data": "env:arithmetic"})
     assert run_step_hooks(cfg.rollout, Namespace(), None, "r", 0, {}) == {}
@@ -90,7 +152,7 @@ def test_rollout_time_spans_the_step():
 
 def test_hook_flags_are_fields_not_refused():
     for flag in ("--rollout-sample-filter-path", "--rollout-all-samples-process-path",
-                 "--custom-rollout-log-function-path"):  # fmt: skip
+                 "--custom-rollout-log-function-path", "--custom-reward-post-process-path"):  # fmt: skip
         assert flag in field_flags() and flag not in SLIME_FLAGS
 
 
