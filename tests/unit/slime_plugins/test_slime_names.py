@@ -493,7 +493,9 @@ def test_rm_hub_dispatch(names, tmp_path):
     assert rm(Sample(response="yes", label="no"), rm_type="f1") == 0
     assert rm(Sample(response="\\boxed{Paris}", label="Paris"), rm_type="boxed_exact") == 1.0  # a sluiceway type
     assert rm(Sample(response="x", label="3", metadata={"rm_type": "random"})) in (0, 1)  # the sample's type wins
-    for missing in ("dapo", "gpqa"):
+    assert rm(Sample(response="so Answer: $1,000$ dollars", label="1000"), rm_type="dapo") == {
+        "score": 1.0, "acc": True, "pred": "1000"}  # fmt: skip
+    for missing in ("gpqa", "ifbench"):
         with pytest.raises(NotImplementedError, match=f"'{missing}'.*--custom-rm-path"):
             rm(Sample(response="x", label="1"), rm_type=missing)
     with pytest.raises(NotImplementedError, match="Rule-based RM for nope is not implemented"):
@@ -527,3 +529,23 @@ def test_remote_rm_speaks_slimes_protocol(names):
         sample = names.Sample(prompt="p", response="four", label="l")
         assert asyncio.run(rm_hub.async_rm(args, sample)) == {"score": 4}
         assert s.bodies[-1][1] == {"prompt": "p", "response": "four", "label": "l"}
+
+
+def test_math_dapo_utils_grades_as_slimes_retool_reads_it(names):
+    """Worked by hand from the rules (the module's docstring); checked against slime's own module at 624b824a on
+    630,000 generated strings with no difference (docs/slime.md)."""
+    from slime.rollout.rm_hub.math_dapo_utils import compute_score, normalize_final_answer
+
+    assert normalize_final_answer("x = \\frac12 \\text{cm}") == "\\frac{1}{2}"  # the last = side, units gone, braced
+    assert normalize_final_answer("$1,000$ dollars") == "1000"
+    assert normalize_final_answer("\\boxed{\\sqrt3}") == "\\sqrt{3}"
+    # Minerva's: the last "Answer:" line against the label as an integer; only the last 300 characters are read.
+    assert compute_score("work... Answer: 7.0\nAnswer: 12", "12.0") == {"score": 1.0, "acc": True, "pred": "12"}
+    assert compute_score("Answer: 12" + " " * 300, "12")["acc"] is False  # the answer fell out of the window
+    assert compute_score("no answer here", "3") == {"score": -1.0, "acc": False, "pred": "[INVALID]"}
+    with pytest.raises(ValueError):
+        compute_score("Answer: 1", "one")  # DAPO's labels are integers
+    # Strict boxed (retool's call): the last \\boxed{} of the final 100 characters, compared as written.
+    assert compute_score("so \\boxed{42}", "42", strict_box_verify=True) == {"score": 1.0, "acc": True, "pred": "42"}
+    assert compute_score("so \\boxed{42.0}", "42", strict_box_verify=True)["score"] == -1.0
+    assert compute_score("\\boxed{42}" + "." * 100, "42", strict_box_verify=True)["pred"] is None

@@ -12,10 +12,12 @@ differ from slime's on an edge case of answer equivalence, never on what is grad
     f1          SQuAD token F1 of the whole response and the label (yes/no/noanswer must match exactly)
     remote_rm   slime's protocol: POST args.rm_url {"prompt", "response", "label"}; the JSON answer is the reward
     random      0 or 1
+    dapo        DAPO's grader, slime's dict {"score": 1.0/-1.0, "acc", "pred"} (rm_hub/math_dapo_utils.py, which
+                slime's retool example imports itself)
 sluiceway's other built-in types (exact, regex, choice, format, math+format, code) are accepted too: their float
-reward. slime's dapo, gpqa and ifbench graders are not provided: a sample of those types raises NotImplementedError
-naming it (score them with a --custom-rm-path function). Nor are the grader modules (rm_hub.math_dapo_utils,
-rm_hub.math_utils, rm_hub.deepscaler, rm_hub.f1, rm_hub.gpqa, rm_hub.ifbench).
+reward. slime's gpqa and ifbench graders are not provided: a sample of those types raises NotImplementedError
+naming it (score them with a --custom-rm-path function). Of the grader modules only rm_hub.math_dapo_utils is
+(not rm_hub.math_utils, deepscaler, f1, gpqa, ifbench: their functions are this module's).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from sluiceway.tasks.reward.verifiers.f1 import squad_tokens
 
 logger = logging.getLogger(__name__)
 
-NOT_PROVIDED = ("dapo", "gpqa", "ifbench")  # slime's rule-based types sluiceway has no grader for
+NOT_PROVIDED = ("gpqa", "ifbench")  # slime's rule-based types sluiceway has no grader for
 SLUICEWAY_TYPES = ("exact", "regex", "choice", "format", "math+format", "code")  # sluiceway's, beyond slime's
 
 
@@ -146,6 +148,10 @@ async def async_rm(args, sample: Sample, **kwargs):
         return f1_score(response, label)[0]
     if rm_type == "random":
         return random.randint(0, 1)
+    if rm_type == "dapo":
+        from slime.rollout.rm_hub.math_dapo_utils import compute_score
+
+        return compute_score(response, label)
     if rm_type in SLUICEWAY_TYPES:
         from sluiceway.tasks.reward.scorer_registry import BUILTIN
 
