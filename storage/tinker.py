@@ -14,7 +14,9 @@ and inventing them would make RL queries over that table wrong.
 Besides the tables, files under ``tinker/<server_id>/`` on the store: ``results/<request_id>.json`` (a finished
 future's answer, read back by a restarted server's ``retrieve_future``), ``weights/<model_id>/<name>/`` (a
 ``save_state`` checkpoint: the trainer's checkpoint files and ``tinker.json``, what the model was created with),
-``sampler_weights.json`` (``tinker://`` sampler paths and the object-store directories they were saved to).
+``sampler_weights/<hash>.json`` (a ``tinker://`` sampler path and the directory under the server's work dir it
+was saved to), ``training_runs/<model_id>.json`` (what the REST client's ``get_training_run`` answers: base model,
+LoRA rank, the user's metadata, the last saved checkpoints).
 """
 
 from __future__ import annotations
@@ -223,3 +225,33 @@ def download_state(store: ObjectStore, server_id: str, model_id: str, name: str,
             fs.get_file(remote, str(local_dir / remote.rstrip("/").rsplit("/", 1)[-1]))
     verified(local_dir)
     return info
+
+
+def delete_json(store: ObjectStore, path: str) -> bool:
+    """Remove the JSON at ``path``; False when there was none."""
+    fs = store.filesystem()
+    with store.redacting():
+        fs.invalidate_cache(path)
+        if not fs.exists(path):
+            return False
+        fs.rm(path)
+        return True
+
+
+def delete_state(store: ObjectStore, server_id: str, model_id: str, name: str) -> bool:
+    """Remove a `save_state` checkpoint (the REST client's delete_checkpoint): its ``tinker.json`` first, so a
+    delete that stops half-way leaves an incomplete checkpoint that is never loaded, then its files. False when
+    there is no complete one."""
+    target = server_path(store, server_id, "weights", model_id, name)
+    if not delete_json(store, f"{target}/tinker.json"):
+        return False
+    fs = store.filesystem()
+    with store.redacting():
+        fs.invalidate_cache(target)
+        if fs.exists(target):
+            fs.rm(target, recursive=True)
+    return True
+
+
+def training_run_path(store: ObjectStore, server_id: str, model_id: str) -> str:
+    return server_path(store, server_id, "training_runs", f"{model_id}.json")

@@ -6,6 +6,7 @@ else a 404 that is not retried)."""
 from __future__ import annotations
 
 import asyncio
+import datetime as _dt
 import logging
 import re
 import tempfile
@@ -59,6 +60,8 @@ class ServerState:
     runners: dict[str, SequencedRunner] = field(default_factory=dict)
     sampler_dirs: dict[str, Path] = field(default_factory=dict)  # tinker:// path -> its model directory
     sampling_sessions: dict[str, tuple[Path, str | None]] = field(default_factory=dict)  # id -> (dir, path)
+    training_runs: dict[str, dict] = field(default_factory=dict)  # model_id -> its record (get_training_run)
+    last_request: dict[str, _dt.datetime] = field(default_factory=dict)  # model_id -> its last request's time
     lock: threading.Lock = field(default_factory=threading.Lock)
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="tinker"))
     samplers: Any = None
@@ -123,6 +126,53 @@ class ServerState:
         self.sampler_dirs[tinker_path] = Path(found["dir"])
         return self.sampler_dirs[tinker_path]
 
+    def delete_sampler_dir(self, tinker_path: str) -> bool:
+        """Forget a save_weights_for_sampler path and remove its directory (an engine on it is closed); False when
+        this server knows no such path."""
+        import shutil
+
+        try:
+            path = self.sampler_dir(tinker_path)
+        except TinkerUserError:
+            return False
+        self.sampler_dirs.pop(tinker_path, None)
+        if self.store is not None:
+            from sluiceway.storage.tinker import delete_json, server_path
+
+            delete_json(self.store, server_path(self.store, self.server_id, "sampler_weights",
+                                                sampler_key(tinker_path)))  # fmt: skip
+        self.samplers.drop(path)
+        if path.resolve().is_relative_to(self.work_dir.resolve()):  # only what this server wrote
+            shutil.rmtree(path, ignore_errors=True)
+        return True
+
+    def training_run(self, model_id: str) -> dict | None:
+        """A model's training-run record (what the REST client's get_training_run answers): in memory, or from
+        the store for a model of a server before a restart (a state saved then is loaded by its model id)."""
+        if model_id in self.training_runs:
+            return self.training_runs[model_id]
+        if self.store is None or not MODEL_ID.match(model_id):
+            return None
+        from sluiceway.storage.tinker import read_json, training_run_path
+
+        found = read_json(self.store, training_run_path(self.store, self.server_id, model_id))
+        if found is not None:
+            self.training_runs.setdefault(model_id, found)
+        return found
+
+    def update_training_run(self, model_id: str, **changes: Any) -> None:
+        """Create or change a model's training-run record, on the store too. A store that fails is logged: the
+        request it belongs to (create_model, a save) still succeeds."""
+        record = {**(self.training_run(model_id) or {}), **changes, "updated_at": now_iso()}
+        self.training_runs[model_id] = record
+        if self.store is not None:
+            from sluiceway.storage.tinker import training_run_path, write_json
+
+            try:
+                write_json(self.store, training_run_path(self.store, self.server_id, model_id), record)
+            except Exception:  # noqa: BLE001
+                log.exception("tinker: the training run of %s could not be written to the store", model_id)
+
     def model(self, model_id: str):
         m = self.models.get(model_id)
         if m is None:
@@ -158,6 +208,7 @@ def build_app(state: ServerState) -> Starlette:
         """Queue `fn` on the model's runner (its seq_id order) and answer its request id at once; `info` describes
         the request for its row in the journal."""
         rid = state.futures.new(model_id=model_id, seq_id=seq_id, **info)
+        state.last_request[model_id] = _dt.datetime.now(_dt.UTC)
         with state.lock:
             runner = state.runners.get(model_id)
         if runner is None:
@@ -241,6 +292,8 @@ def build_app(state: ServerState) -> Starlette:
             rank = 0 if lora is None else lora.rank
             m = TinkerModel(model_id, state.base_dir, rank, None if lora is None else lora.seed, state.device)
             state.models[model_id] = m
+            state.update_training_run(model_id, base_model=req.base_model or state.base_model, lora_rank=rank,
+                                      user_metadata=str_metadata(req.user_metadata), created_at=now_iso())  # fmt: skip
             log.info("tinker: created %s (%s)", model_id, f"LoRA rank {rank}" if rank else "full weights")
             return Result(json=types.CreateModelResponse(model_id=model_id).model_dump(mode="json"))
 
@@ -297,6 +350,8 @@ def build_app(state: ServerState) -> Starlette:
             if req.path is not None:  # a named save: a tinker:// path any client may sample from
                 tinker_path = f"tinker://{req.model_id}/sampler_weights/{req.path}"
                 state.save_sampler_dir(tinker_path, path)
+                state.update_training_run(req.model_id, last_sampler_checkpoint=checkpoint_record(
+                    tinker_path, req.user_metadata))  # fmt: skip
                 out["path"] = tinker_path
             else:  # save_weights_and_get_sampling_client: a sampling session on these weights
                 sid = f"sampler-{uuid.uuid4().hex[:16]}"
@@ -334,6 +389,7 @@ def build_app(state: ServerState) -> Starlette:
                         "user_metadata": req.user_metadata}  # fmt: skip
                 upload_state(store, state.server_id, req.model_id, name, local, info)
             path = f"tinker://{req.model_id}/weights/{name}"
+            state.update_training_run(req.model_id, last_checkpoint=checkpoint_record(path, req.user_metadata))
             log.info("tinker: saved %s (step %d)", path, m.steps)
             return Result(json=types.SaveWeightsResponse(path=path, type="save_weights").model_dump(mode="json"))
 
@@ -381,10 +437,15 @@ def build_app(state: ServerState) -> Starlette:
             with tempfile.TemporaryDirectory(dir=state.work_dir) as tmp:
                 local = Path(tmp) / "state"
                 download_state(store, state.server_id, src_model, name, local)
-                if m is None:
+                created = m is None
+                if created:
                     m = TinkerModel(model_id, state.base_dir, info["lora_rank"], info.get("seed"), state.device)
                 m.load_state(local, req.optimizer)
             state.models[model_id] = m
+            if created:  # a training run of its own, made from the state (as create_model makes one)
+                state.update_training_run(model_id, base_model=req.base_model or info["base_model"],
+                                          lora_rank=info["lora_rank"], user_metadata=str_metadata(req.user_metadata),
+                                          created_at=now_iso(), loaded_from=req.path)  # fmt: skip
             log.info("tinker: loaded %s into %s (step %d, optimizer %s)", req.path, model_id, m.steps, req.optimizer)
             body = types.LoadWeightsResponse(path=req.path, model_id=model_id, type="load_weights")
             return Result(json=body.model_dump(mode="json", exclude_none=True))
@@ -454,6 +515,57 @@ def build_app(state: ServerState) -> Starlette:
             return Response(body, media_type=PROTOBUF)
         return JSONResponse(body)
 
+    async def get_training_run(request: Request) -> Response:
+        """RestClient.get_training_run(_by_tinker_path): the cookbook reads the renderer name its recipes put in
+        the user_metadata of create_model back from here before it resumes or loads a checkpoint."""
+        run_id = request.path_params["run_id"]
+        record = await asyncio.to_thread(state.training_run, run_id)
+        if record is None:
+            return error(404, f"unknown training run {run_id!r} (a model id of this server)")
+        updated = _dt.datetime.fromisoformat(record["updated_at"])
+        rank = int(record.get("lora_rank") or 0)
+        body = types.TrainingRun(
+            training_run_id=run_id,
+            base_model=record.get("base_model") or state.base_model,
+            model_owner="local",  # no accounts: the key is not checked
+            is_lora=rank > 0,
+            lora_rank=rank or None,
+            last_request_time=max(updated, state.last_request.get(run_id, updated)),
+            last_checkpoint=record.get("last_checkpoint"),
+            last_sampler_checkpoint=record.get("last_sampler_checkpoint"),
+            user_metadata=record.get("user_metadata"),
+        )
+        return JSONResponse(body.model_dump(mode="json"))
+
+    async def delete_checkpoint(request: Request) -> Response:
+        """RestClient.delete_checkpoint(_from_tinker_path): a saved state leaves the store, a sampler path its
+        directory (the cookbook's rolling checkpoints delete the one before). A request row either way."""
+        from sluiceway.storage.tinker import delete_state
+
+        run_id, kind, name = (request.path_params[k] for k in ("run_id", "kind", "name"))
+        tinker_path = f"tinker://{run_id}/{kind}/{name}"
+
+        def run() -> Result:
+            if kind == "weights":
+                model_id, state_name = parse_state_path(tinker_path)
+                if not delete_state(need_store("delete_checkpoint"), state.server_id, model_id, state_name):
+                    raise TinkerUserError(f"no checkpoint {tinker_path} on this server's store")
+            elif kind != "sampler_weights" or not state.delete_sampler_dir(tinker_path):
+                raise TinkerUserError(f"no checkpoint {tinker_path} on this server")
+            record = state.training_run(run_id) or {}
+            for key in ("last_checkpoint", "last_sampler_checkpoint"):
+                if (record.get(key) or {}).get("tinker_path") == tinker_path:
+                    state.update_training_run(run_id, **{key: None})
+            log.info("tinker: deleted %s", tinker_path)
+            return Result(json={})
+
+        rid = state.futures.new(type="delete_checkpoint", model_id=run_id if MODEL_ID.match(run_id) else None)
+        await asyncio.to_thread(state.futures.run, rid, run)
+        result = state.futures.wait(rid, 0)
+        if result.error is not None:
+            return error(404 if result.category == "user" else 500, result.error)
+        return JSONResponse({})
+
     def not_implemented_future(route: str, what: str):
         async def handler(request: Request) -> Response:
             body = await request.json()
@@ -509,6 +621,8 @@ def build_app(state: ServerState) -> Starlette:
         Route("/api/v1/get_server_capabilities", capabilities, methods=["GET"]),
         Route("/api/v1/samplers/{sampler_id}", guarded(get_sampler), methods=["GET"]),
         Route("/api/v1/sessions/{session_id}/finish", guarded(finish_session), methods=["POST"]),
+        Route("/api/v1/training_runs/{run_id}", get_training_run, methods=["GET"]),
+        Route("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}", delete_checkpoint, methods=["DELETE"]),
         Route("/{rest:path}", fallback, methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
     ]
     return Starlette(routes=routes)
@@ -519,6 +633,31 @@ def sampler_key(tinker_path: str) -> str:
     import hashlib
 
     return hashlib.sha256(tinker_path.encode()).hexdigest()[:32] + ".json"
+
+
+MODEL_ID = re.compile(r"^[A-Za-z0-9_:\-]+$")  # a model id as this server makes them (session-<hex>:train:<n>)
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat()
+
+
+def str_metadata(metadata: dict | None) -> dict[str, str] | None:
+    """The user_metadata of a create_model or load (values of any JSON type) as a TrainingRun carries it
+    (strings): a value that is not a string is kept as its JSON."""
+    import json
+
+    if not metadata:
+        return None
+    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
+
+
+def checkpoint_record(tinker_path: str, user_metadata: dict | None) -> dict:
+    """A saved checkpoint as the SDK's `Checkpoint` (JSON); ttl_seconds is ignored, so it never expires."""
+    parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path)
+    return types.Checkpoint(checkpoint_id=parsed.checkpoint_id, checkpoint_type=parsed.checkpoint_type,
+                            time=_dt.datetime.now(_dt.UTC), tinker_path=tinker_path,
+                            user_metadata=user_metadata).model_dump(mode="json")  # fmt: skip
 
 
 STATE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
@@ -535,7 +674,7 @@ def parse_state_path(path: str) -> tuple[str, str]:
     if not path.startswith("tinker://") or len(parts) != 3 or parts[1] != "weights":
         raise TinkerUserError(f"{path!r} is not a saved state's path (tinker://<model_id>/weights/<name>, what "
                               "save_state returned)")  # fmt: skip
-    if not re.match(r"^[A-Za-z0-9_:\-]+$", parts[0]):
+    if not MODEL_ID.match(parts[0]):
         raise TinkerUserError(f"{path!r}: not a model id of this server")
     check_name(parts[2])
     return parts[0], parts[2]

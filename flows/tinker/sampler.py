@@ -36,6 +36,13 @@ class Samplers:
                 old.shutdown()  # requests still running on it end with finish_reason abort
             return engine
 
+    def drop(self, model_dir: Path) -> None:
+        """Close the engine on `model_dir`, if one is open (its weights were deleted)."""
+        with self._lock:
+            engine = self._engines.pop(str(model_dir), None)
+        if engine is not None:
+            engine.shutdown()
+
     def close(self) -> None:
         with self._lock:
             for e in self._engines.values():

@@ -109,3 +109,62 @@ def test_refused_requests_are_rows_and_sessions_outlive_the_app(tmp_path):
         assert client.post("/api/v1/session_heartbeat", json={"session_id": "session-" + "0" * 16}).status_code == 404
     rows = read_requests(store, "u").to_pylist()
     assert [(r["request_type"], r["status"], r["error_category"]) for r in rows] == [("create_model", "error", "user")]
+
+
+def test_training_runs_and_checkpoint_deletes_outlive_the_app(tmp_path):
+    """The REST client's get_training_run (the record a create_model writes, the last saves) answers from a new app
+    on the same store; delete_checkpoint removes a saved state from the store and a sampler path's directory,
+    each a request row; deleting again, or an unknown run, is a 404."""
+    from pathlib import Path
+
+    from starlette.testclient import TestClient
+
+    from sluiceway.flows.tinker.app import ServerState, build_app, checkpoint_record
+    from sluiceway.storage.digests import file_digests
+    from sluiceway.storage.tinker import state_info, upload_state
+
+    store = ObjectStore.from_uri(str(tmp_path / "store"))
+    model_id, base = "session-0123456789abcdef:train:0", tmp_path / "work"
+
+    def state():
+        return ServerState("m", Path(tmp_path), base, store=store, server_id="u")
+
+    first = state()
+    first.update_training_run(model_id, base_model="m", lora_rank=4, user_metadata={"renderer_name": "role_colon"})
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "tp0.pt").write_bytes(b"weights")
+    (ckpt / "meta.json").write_text(json.dumps({"step": 1, "files": file_digests(ckpt)}))
+    upload_state(store, "u", model_id, "000001", ckpt, {"base_model": "m", "lora_rank": 4})
+    saved = f"tinker://{model_id}/weights/000001"
+    first.update_training_run(model_id, last_checkpoint=checkpoint_record(saved, None))
+    sampler_dir = base / "sampler_weights" / "v1"
+    sampler_dir.mkdir(parents=True)
+    sampler = f"tinker://{model_id}/sampler_weights/000001"
+    first.save_sampler_dir(sampler, sampler_dir)
+    first.update_training_run(model_id, last_sampler_checkpoint=checkpoint_record(sampler, None))
+
+    with TestClient(build_app(state())) as client:  # a new app: what the first one wrote is on the store
+        run = client.get(f"/api/v1/training_runs/{model_id}", params={"access_scope": "owned"})
+        assert run.status_code == 200, run.text
+        body = run.json()
+        assert (body["training_run_id"], body["is_lora"], body["lora_rank"]) == (model_id, True, 4)
+        assert body["user_metadata"] == {"renderer_name": "role_colon"}
+        assert body["last_checkpoint"]["tinker_path"] == saved
+        assert body["last_checkpoint"]["checkpoint_id"] == "weights/000001"
+        assert body["last_sampler_checkpoint"]["checkpoint_type"] == "sampler"
+        assert client.get("/api/v1/training_runs/session-ffffffffffffffff:train:0").status_code == 404
+        assert client.get("/api/v1/training_runs/..%2F..%2Fetc").status_code == 404
+
+        gone = client.delete(f"/api/v1/training_runs/{model_id}/checkpoints/weights/000001")
+        assert gone.status_code == 200, gone.text
+        assert state_info(store, "u", model_id, "000001") is None
+        assert not (tmp_path / "store" / "tinker" / "u" / "weights" / model_id / "000001").exists()
+        assert client.delete(f"/api/v1/training_runs/{model_id}/checkpoints/weights/000001").status_code == 404
+        assert client.delete(f"/api/v1/training_runs/{model_id}/checkpoints/sampler_weights/000001").status_code == 200
+        assert not sampler_dir.exists()
+        assert client.delete(f"/api/v1/training_runs/{model_id}/checkpoints/sampler_weights/000001").status_code == 404
+        after = client.get(f"/api/v1/training_runs/{model_id}").json()
+        assert after["last_checkpoint"] is None and after["last_sampler_checkpoint"] is None
+    rows = [(r["request_type"], r["model_id"], r["status"]) for r in read_requests(store, "u").to_pylist()]
+    assert rows == [("delete_checkpoint", model_id, s) for s in ("ok", "error", "ok", "error")]
