@@ -365,7 +365,7 @@ def test_post_raises_after_max_retries(names):
     with FakeSGLang(fail_first=5) as s:
         import httpx
 
-        with pytest.raises(httpx.HTTPStatusError):
+        with pytest.raises(httpx.HTTPStatusError, match="503 Service Unavailable.*; the server said: busy"):
             asyncio.run(http_utils.post(f"http://127.0.0.1:{s.port}/generate", {}, max_retries=2))
         assert len(s.bodies) == 2
 

@@ -3,8 +3,9 @@
 As in slime, `post` and `get` use one module-wide httpx.AsyncClient made by `init_http_client(args)` (slime's
 RolloutManager calls it at start; sluiceway's runner of slime plugins does the same), sized to
 `sglang_server_concurrency x rollout engines`, no timeout, no proxy from the environment. `post` retries any failure
-(HTTP status, connection, timeout) up to `max_retries` times one second apart, then raises the last error; it returns
-the parsed JSON or, if the body is not JSON, the text. `get` does not retry.
+(HTTP status, connection, timeout) up to `max_retries` times one second apart, then raises the last error (an HTTP
+status error's message here ends with the server's answer, which slime only logs); it returns the parsed JSON or, if
+the body is not JSON, the text. `get` does not retry.
 
 Differences, each said where it is: slime runs every rollout coroutine on one event loop, and an httpx client's
 connections belong to the loop that opened them, so here a client is made per event loop (the same limits); `post`
@@ -89,6 +90,9 @@ async def _post(client, url, payload, max_retries=60, headers=None):
             logger.info(f"Error: {e}, retrying... (attempt {attempt}/{max_retries}, url={url}, response={body})")
             if attempt >= max_retries:
                 logger.info(f"Max retries ({max_retries}) reached, failing... (url={url})")
+                if body:  # the server's reason, in the error the run reports (slime leaves it in an INFO line)
+                    raise httpx.HTTPStatusError(f"{str(e).splitlines()[0]}; the server said: {body[:500]}",
+                                                request=e.request, response=e.response) from None  # fmt: skip
                 raise
             await asyncio.sleep(1)
         finally:
