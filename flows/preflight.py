@@ -10,6 +10,7 @@ plugin files) and import no torch, so a mistake is one line within about a secon
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -107,6 +108,13 @@ def check_conventions(cfg: RunConfig) -> None:
 
     for path, flag, hook in hooks:
         convention = convention_of(load_plugin(path, flag), hook, r.plugin_convention, path)
+        if hook == "generate" and convention == SLIME and r.rollout_max_context_len is None:
+            # SGLang holds the model's whole context; an embedded engine's KV cache is allocated for this many.
+            logging.getLogger("sluiceway").info(
+                f"{flag} {path}: a slime generate builds its own prompts; the embedded engines hold "
+                f"{engine_max_total_len(cfg)} tokens a sequence (--rollout-max-prompt-len + "
+                "--rollout-max-response-len): set --rollout-max-context-len, slime's context cap, for more"
+            )
         if hook == "generate" and convention == SLIME and r.rollout_top_p != 1.0:
             raise UserError(f"{flag} {path}: slime's GenerateState asks for top-p replay with --rollout-top-p "
                             f"{r.rollout_top_p}, which the engines here do not return; "

@@ -108,6 +108,21 @@ _PLUGINS_4 = (
 )
 
 
+_OUTSIDE = (
+    "slime's own example plugins, unchanged: `python examples/run_slime_plugins.py /path/to/slime` runs "
+    "examples/retool (generate_with_retool.generate and .reward_func, its tool sandbox, rm_hub.math_dapo_utils), "
+    "examples/multi_agent (generate_with_multi_agents: five solver Samples per prompt, rm type deepscaler) and "
+    "examples/search-r1 (generate_with_search.generate and .reward_func against a local retrieval server, a "
+    "dict label) through `sluiceway run` with their own flags, two steps each on SmolLM2-135M-Instruct. At slime "
+    "624b824a all three run to the end. What the script sets that slime's launch scripts do not: small data in "
+    "the examples' formats, small lengths, and `--rollout-max-context-len` (retool's prompt template alone is "
+    "539 tokens, more than tiny-llama's 512 positions; sluiceway's embedded engines are sized by "
+    "prompt + response unless that flag says more, and the run's log says so when a slime generate is used). "
+    "It checks the interface, not learning: the 135M model solved nothing and never searched, so every group's "
+    "rewards were equal."
+)
+
+
 def render_markdown() -> str:
     """docs/slime.md."""
     lines = [
@@ -194,6 +209,8 @@ def render_markdown() -> str:
         *textwrap.wrap(break_on_hyphens=False, text=_PLUGINS_3, width=110),
         "",
         *textwrap.wrap(break_on_hyphens=False, text=_PLUGINS_4, width=110),
+        "",
+        *textwrap.wrap(break_on_hyphens=False, text=_OUTSIDE, width=110),
         "",
         "## Implemented",
         "",

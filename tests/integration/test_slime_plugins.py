@@ -9,7 +9,8 @@ cannot tell is one line, exit 2, before any engine starts.
 A second run, two steps: a multi_agent-shaped generate (two agents per sample, a list of Samples sharing rollout_id,
 every one trained), a search-r1-shaped reward (label a dict, sample.label["ground_truth"]) getting the Samples left
 without a reward as one list, slime's dynamic filter, a rollout sample filter marking one Sample removed, an
-all-samples process and a rollout log function writing what they got to a file.
+all-samples process and a rollout log function writing what they got to a file, and a reward post-process
+whose rewards (each role's rewards centred) are stored beside the raw ones and trained on.
 """
 
 import json
@@ -190,6 +191,16 @@ def log_rollout(rollout_id, args, samples, rollout_extra_metrics, rollout_time):
     return True
 
 
+def post_process(args, samples):
+    # per agent role, rewards centred on the role's mean: slime's (raw_rewards, rewards)
+    raw = [s.get_reward_value(args) for s in samples]
+    by_role = {}
+    for s, r in zip(samples, raw):
+        by_role.setdefault(s.agent_role, []).append(r)
+    means = {role: sum(v) / len(v) for role, v in by_role.items()}
+    return raw, [r - means[s.agent_role] for s, r in zip(samples, raw)]
+
+
 def _log(kind, **what):
     with open(os.environ["SLIMEPLUG_LOG"], "a") as f:
         f.write(json.dumps({"kind": kind, **what}) + "\\n")
@@ -212,6 +223,7 @@ def test_multi_agent_shaped_plugin_trains_two_steps(tmp_path):
             "--over-sampling-batch-size", str(BATCH + 2), "--rollout-sample-filter-path", m + "remove_one",
             "--rollout-all-samples-process-path", m + "process_all",
             "--custom-rollout-log-function-path", m + "log_rollout", "--rollout-top-p", "1.0",
+            "--custom-reward-post-process-path", m + "post_process",
             env=_env(tmp_path, log) | {"SLIMEPLUG_LOG": str(hooks)})  # fmt: skip
     requests = [json.loads(line) for line in log.read_text().splitlines()]
     logged = [json.loads(line) for line in hooks.read_text().splitlines()]
@@ -258,6 +270,12 @@ def test_multi_agent_shaped_plugin_trains_two_steps(tmp_path):
                 assert math.isclose(r["reward"], want), (r["reward"], want)
             else:
                 assert r["reward"] == float(len(record["response"]) % 3) / 2
+        # The reward post-process saw every trained row (the removed one too); its rewards centre each role.
+        post = [json.loads(r["metadata"])["reward_post_process"] for r in rows]
+        assert [p["raw"] for p in post] == [r["reward"] for r in rows]
+        for role in ("solver", "critic"):
+            mine = [p["reward"] for p, r in zip(post, rows) if r["prompt"].endswith(f"[{role}]")]
+            assert len(mine) == BATCH * N and abs(sum(mine)) < 1e-9
         (log_line,) = [x for x in logged if x["kind"] == "log" and x["rollout_id"] == step]
         assert log_line["samples"] == len(rows) and len(log_line["removed"]) == 1 and log_line["time"] > 0
         assert "filter/groups_kept" in log_line["metrics"]
