@@ -10,7 +10,8 @@ from sluiceway.flows.config.group import Group
 class DataConfig(Group):
     prompt_data: str | None = Field(
         None,
-        description="JSONL or Parquet file of prompts (slime format), or 'env:NAME' for a procedural environment.",
+        description="JSONL or Parquet file of prompts (slime format), 'env:NAME' for a procedural environment, or "
+        "'openenv:URL' / 'openenv:MODULE:Class' for an OpenEnv environment (docs/environments.md).",
     )
     input_key: str = Field("input", description="Field holding the prompt: plain text or a list of chat messages.")
     label_key: str | None = Field("label", description="Field holding the reference answer.")
@@ -34,6 +35,22 @@ class DataConfig(Group):
     difficulty_lower_below: float = Field(0.2, ge=0.0, lt=1.0, description="Accuracy that lowers a level.")
     difficulty_window: int = Field(64, ge=1, description="Recent samples per environment that accuracy covers.")
     difficulty_min_samples: int = Field(32, ge=1, description="Samples at a level before it may change.")
+    openenv_action_parser: str | None = Field(
+        None,
+        description="With an openenv: prompt source, 'module:fn' or 'file.py:fn' turning the model's text into an "
+        "action (a dict of its fields; None ends the episode); unset: the action is offered as a tool.",
+    )
+    openenv_observation_text: str | None = Field(
+        None,
+        description="With an openenv: prompt source, 'module:fn' turning an observation's fields (a dict) into the "
+        "text the model reads; unset: its one text field, or its fields as JSON.",
+    )
+    openenv_max_turns: int = Field(16, ge=1, description="With an openenv: prompt source, most model turns an episode.")
+    openenv_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="With an openenv: prompt source, seconds an environment's answer may take before its sample fails.",
+    )
 
     def check(self, context: dict) -> None:
         if self.adaptive_difficulty and not (self.prompt_data or "").startswith("env:"):
