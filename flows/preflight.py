@@ -26,11 +26,19 @@ if TYPE_CHECKING:
 def check_data_source(
     source: str, input_key: str, label_key: str | None, metadata_key: str, flag: str = "--prompt-data"
 ) -> None:
-    """A prompt file (every line parsed and its keys checked) or an `env:` spec; errors name `flag`."""
+    """A prompt file (every line parsed and its keys checked), an `env:` spec or an `openenv:` source; errors name
+    `flag`."""
     if source.startswith("env:"):
         from sluiceway.tasks.environments import parse_spec
 
         parse_spec(source)
+        return
+    if source.startswith("openenv:"):  # the server answers, or the class imports where openenv is (a few seconds)
+        if flag != "--prompt-data":
+            raise UserError(f"{flag} {source}: an OpenEnv environment is a training source only (--prompt-data)")
+        from sluiceway.tasks.environments.openenv_servers import check_openenv_source
+
+        check_openenv_source(source)
         return
     from sluiceway.storage.datasets import check_prompt_file
 
@@ -201,6 +209,13 @@ def preflight(cfg: RunConfig, command: str) -> None:
     check_plugin_file(cfg.reward.custom_rm_path, "--custom-rm-path")
     check_plugin_file(cfg.rollout.custom_generate_function_path, "--custom-generate-function-path")
     check_plugin_file(cfg.rollout.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
+    check_plugin_file(d.openenv_action_parser, "--openenv-action-parser")
+    check_plugin_file(d.openenv_observation_text, "--openenv-observation-text")
+    if (d.prompt_data or "").startswith("openenv:") and (
+        cfg.rollout.agent_function_path or cfg.rollout.custom_generate_function_path
+    ):
+        raise UserError(f"--prompt-data {d.prompt_data} plays the environment's episodes itself: it cannot be combined"
+                        " with --agent-function-path or --custom-generate-function-path")  # fmt: skip
     check_conventions(cfg)
     hf = model_config(cfg.training.hf_checkpoint)  # last: a zoo name imports torch
     if hf is not None and command in ("run", "eval"):  # the commands that start engines

@@ -18,6 +18,8 @@ from sluiceway.storage.datasets import import_prompts, import_records, load_prom
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.tasks.environments import generate_env
 from sluiceway.tasks.environments.adaptive_source import AdaptivePromptSource
+from sluiceway.tasks.environments.openenv_episode import openenv_records
+from sluiceway.tasks.environments.openenv_servers import openenv_generate
 from sluiceway.tasks.rollout.agent.proxy import AgentGenerate, load_agent_function
 from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings
 from sluiceway.tasks.rollout.slime_plugins.generate import load_generate
@@ -27,6 +29,9 @@ def dataset_table_name(prompt_data: str, env_size: int, seed: int) -> str:
     """One table per distinct source: a file's name plus a hash of its bytes, or the environment spec."""
     if prompt_data.startswith("env:"):
         return "datasets/" + prompt_data[4:].replace(":", "-") + f"-n{env_size}-s{seed}"
+    if prompt_data.startswith("openenv:"):  # episodes' reset seeds (tasks/environments/openenv_episode.py)
+        digest = hashlib.sha256(prompt_data.encode()).hexdigest()[:12]
+        return f"datasets/openenv-{digest}-n{env_size}-s{seed}"
     p = Path(prompt_data)
     if not p.is_file():
         raise UserError(f"--prompt-data {prompt_data}: file not found")
@@ -37,8 +42,12 @@ def dataset_table_name(prompt_data: str, env_size: int, seed: int) -> str:
 def load_dataset(cfg: RunConfig, store: ObjectStore, prompt_data: str, size: int, seed: int) -> list[dict]:
     d = cfg.data
     name = dataset_table_name(prompt_data, size, seed)
-    if prompt_data.startswith("env:"):
-        records = generate_env(prompt_data, size, seed)
+    if prompt_data.startswith(("env:", "openenv:")):
+        records = (
+            generate_env(prompt_data, size, seed)
+            if prompt_data.startswith("env:")
+            else openenv_records(prompt_data, size, seed)
+        )
         import_records(
             records, store, name, source=prompt_data, input_key="input", label_key="label", metadata_key="metadata"
         )
@@ -100,6 +109,7 @@ def build_rollout_settings(cfg: RunConfig, tokenizer, hf_dir: Path, slime_args=N
         partial_rollout=r.partial_rollout, mask_offpolicy=r.mask_offpolicy_in_partial_rollout,
         custom_generate=load_generate(cfg, hf_dir, slime_args) if r.custom_generate_function_path
         else AgentGenerate(load_agent_function(r.agent_function_path)) if r.agent_function_path
+        else openenv_generate(cfg) if (cfg.data.prompt_data or "").startswith("openenv:")
         else None, tokenizer=tokenizer, max_prompt_len=r.rollout_max_prompt_len,
     )  # fmt: skip
 

@@ -1,0 +1,82 @@
+"""A small multi-step game written against OpenEnv 0.10's API (served by its `create_app`; imported only by the
+interpreter that has openenv): guess a number from 1 to 8 in at most three tries, told "higher" or "lower" after
+each wrong one. Reward 1.0 for the right guess, else 0.0 each step.
+
+For the failure tests, files named by environment variables make the server misbehave once:
+GUESS_DIE_ONCE=path: the first step of the server process that creates `path` ends the process (os._exit);
+GUESS_HANG_ONCE=path: likewise, that step never answers; GUESS_HUGE_REWARD=1: every step's reward is 1e300.
+"""
+
+import os
+import random
+import time
+
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import Action, Observation, State
+from pydantic import Field
+
+
+class GuessAction(Action):
+    """Guess the secret number."""
+
+    number: int = Field(description="your guess, from 1 to 8")
+
+
+class GuessObservation(Observation):
+    message: str = Field(description="what the game says")
+
+
+class GuessState(State):
+    secret: int = 0
+    tries_left: int = 3
+
+
+def _once(var: str) -> bool:
+    path = os.environ.get(var)
+    if not path:
+        return False
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.close(fd)
+    return True
+
+
+class GuessGame(Environment[GuessAction, GuessObservation, GuessState]):
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def __init__(self):
+        super().__init__()
+        self._state = GuessState()
+
+    def reset(self, seed=None, episode_id=None, **kwargs) -> GuessObservation:
+        secret = random.Random(seed).randint(1, 8)
+        self._state = GuessState(episode_id=episode_id, step_count=0, secret=secret, tries_left=3)
+        return GuessObservation(message="I picked a number from 1 to 8. You have 3 tries: guess it.")
+
+    def step(self, action: GuessAction, timeout_s=None, **kwargs) -> GuessObservation:
+        if _once("GUESS_DIE_ONCE"):
+            os._exit(3)
+        if _once("GUESS_HANG_ONCE"):
+            time.sleep(3600)
+        s = self._state
+        s.step_count += 1
+        s.tries_left -= 1
+        huge = os.environ.get("GUESS_HUGE_REWARD") == "1"
+        if action.number == s.secret:
+            return GuessObservation(message="Right!", done=True, reward=1e300 if huge else 1.0)
+        hint = "higher" if action.number < s.secret else "lower"
+        if s.tries_left == 0:
+            return GuessObservation(message=f"No: {hint}. Out of tries.", done=True, reward=1e300 if huge else 0.0)
+        return GuessObservation(message=f"No: {hint}. {s.tries_left} tries left.", reward=1e300 if huge else 0.0)
+
+    @property
+    def state(self) -> GuessState:
+        return self._state
+
+
+class SoloGuessGame(GuessGame):
+    """The same game, not declared safe for concurrent sessions: openenv serves it one session per server."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = False
