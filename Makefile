@@ -4,6 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.sluiceway-installed
+# OpenEnv serves environment classes (--prompt-data openenv:MODULE:Class) from a venv of its own: openenv 0.10
+# cannot share one with verifiers (openenv -> fastmcp 3 -> mcp 1.x; verifiers 0.4 pins mcp 2.0). The run only
+# speaks its protocol (tasks/environments/openenv_client.py); no torch here.
+OPENENV_VENV ?= .venv-openenv
+OPENENV_STAMP := $(OPENENV_VENV)/.sluiceway-installed
 PYTEST_ARGS ?=
 
 .PHONY: install demo test test-fast test-avx2 test-all lint clean bench-trl
@@ -27,7 +32,12 @@ $(STAMP): pyproject.toml Makefile
 	fi
 	touch $(STAMP)
 
-install: $(STAMP)
+$(OPENENV_STAMP): Makefile
+	$(PYTHON) -m venv $(OPENENV_VENV)
+	$(OPENENV_VENV)/bin/python -m pip --disable-pip-version-check install -q openenv==0.10.0
+	touch $(OPENENV_STAMP)
+
+install: $(STAMP) $(OPENENV_STAMP)
 
 demo: install
 	$(VENV)/bin/sluiceway run examples/demo_smollm2.yaml
@@ -78,4 +88,4 @@ lint: install
 	$(VENV)/bin/ruff check flows tasks storage models infra tests
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache tests/artifacts
+	rm -rf $(VENV) $(OPENENV_VENV) runs .pytest_cache tests/artifacts
