@@ -263,7 +263,7 @@ class OpenEnvGenerate:
 
         self.servers = servers
         self.episodes = OpenEnvEpisodes(servers, action_schema, options)
-        self.agent = AgentGenerate(self.episodes)
+        self.agent = AgentGenerate(self.episodes.__call__)  # a bound coroutine function: run on the endpoint loop
 
     async def __call__(self, ctx, prompt, params):
         token = uuid.uuid4().hex

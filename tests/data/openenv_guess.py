@@ -4,7 +4,8 @@ each wrong one. Reward 1.0 for the right guess, else 0.0 each step.
 
 For the failure tests, files named by environment variables make the server misbehave once:
 GUESS_DIE_ONCE=path: the first step of the server process that creates `path` ends the process (os._exit);
-GUESS_HANG_ONCE=path: likewise, that step never answers; GUESS_HUGE_REWARD=1: every step's reward is 1e300.
+GUESS_HANG_ONCE=path: likewise, that step never answers; GUESS_HUGE_ONCE=path: likewise, that step's reward
+is 1e300 (beyond float32). Checked in this order, each only once the one before has happened.
 """
 
 import os
@@ -63,7 +64,7 @@ class GuessGame(Environment[GuessAction, GuessObservation, GuessState]):
         s = self._state
         s.step_count += 1
         s.tries_left -= 1
-        huge = os.environ.get("GUESS_HUGE_REWARD") == "1"
+        huge = _once("GUESS_HUGE_ONCE")
         if action.number == s.secret:
             return GuessObservation(message="Right!", done=True, reward=1e300 if huge else 1.0)
         hint = "higher" if action.number < s.secret else "lower"
