@@ -46,6 +46,12 @@ class DataConfig(Group):
         "text the model reads; unset: its one text field, or its fields as JSON.",
     )
     openenv_max_turns: int = Field(16, ge=1, description="With an openenv: prompt source, most model turns an episode.")
+    openenv_turn_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="With an openenv: prompt source, most tokens a model turn (max_tokens); unset: what "
+        "is left of rollout_max_response_len.",
+    )
     openenv_timeout_s: float = Field(
         60.0,
         gt=0,
