@@ -53,7 +53,7 @@ def openenv_records(spec: str, n: int, seed: int) -> list[dict]:
     out = []
     for i in range(n):
         s = rng.randrange(2**31)
-        out.append({"input": f"OpenEnv episode, reset seed {s}", "label": None,
+        out.append({"input": f"OpenEnv episode, reset seed {s}", "label": "",
                     "metadata": {"openenv": spec, "seed": s, "index": i}})  # fmt: skip
     return out
 
@@ -106,6 +106,7 @@ class EpisodeOptions:
     action_parser: Callable[[str], Any] | None = None
     observation_text: Callable[[dict], Any] | None = None
     max_turns: int = 16
+    turn_tokens: int | None = None  # a model turn's max_tokens (None: what is left of the session's budget)
     timeout_s: float = 60.0
     system_prompt: str | None = None
 
@@ -174,8 +175,8 @@ class OpenEnvEpisodes:
                     if msg is None:
                         return None  # the session ended (the run cut it short): nothing to score
                     messages.append(msg)
-                    if finish == "length":  # the session's token budget is spent
-                        break
+                    if finish == "length" and not msg["content"] and not msg.get("tool_calls"):
+                        break  # the session's token budget is spent: answered without a model turn
                     new, acted = await self._act(env, msg, d)
                     if d["done"] or not acted:
                         break
@@ -195,6 +196,8 @@ class OpenEnvEpisodes:
         body: dict[str, Any] = {"model": "policy", "messages": messages}
         if self.tool is not None:
             body["tools"] = [self.tool]
+        if self.options.turn_tokens:
+            body["max_tokens"] = self.options.turn_tokens
         r = await http.post(f"{base_url}/chat/completions", json=body)
         if r.status_code == 409:
             return None, None

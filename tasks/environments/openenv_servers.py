@@ -298,7 +298,8 @@ def openenv_generate(cfg):
     options = EpisodeOptions(
         action_parser=load_user_function(d.openenv_action_parser, "--openenv-action-parser"),
         observation_text=load_user_function(d.openenv_observation_text, "--openenv-observation-text"),
-        max_turns=d.openenv_max_turns, timeout_s=d.openenv_timeout_s, system_prompt=d.system_prompt,
+        max_turns=d.openenv_max_turns, turn_tokens=d.openenv_turn_tokens, timeout_s=d.openenv_timeout_s,
+        system_prompt=d.system_prompt,
     )  # fmt: skip
     return OpenEnvGenerate(servers, schema.get("action"), options)
 

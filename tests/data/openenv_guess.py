@@ -6,6 +6,7 @@ For the failure tests, files named by environment variables make the server misb
 GUESS_DIE_ONCE=path: the first step of the server process that creates `path` ends the process (os._exit);
 GUESS_HANG_ONCE=path: likewise, that step never answers; GUESS_HUGE_ONCE=path: likewise, that step's reward
 is 1e300 (beyond float32). Checked in this order, each only once the one before has happened.
+GUESS_KILLME_ONCE=path: the first step writes the server's pid to `path` and waits (for a test to SIGKILL it).
 """
 
 import os
@@ -57,6 +58,10 @@ class GuessGame(Environment[GuessAction, GuessObservation, GuessState]):
         return GuessObservation(message="I picked a number from 1 to 8. You have 3 tries: guess it.")
 
     def step(self, action: GuessAction, timeout_s=None, **kwargs) -> GuessObservation:
+        if _once("GUESS_KILLME_ONCE"):
+            with open(os.environ["GUESS_KILLME_ONCE"] + ".pid", "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(600)
         if _once("GUESS_DIE_ONCE"):
             os._exit(3)
         if _once("GUESS_HANG_ONCE"):
