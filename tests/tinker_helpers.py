@@ -25,6 +25,7 @@ class TinkerServer:
 
     def __init__(self, base: Path, cache: Path, base_model: str = "tiny-llama", server_id: str = "it") -> None:
         self.base, self.port, self.store = base, free_port(), base / "store"
+        base.mkdir(parents=True, exist_ok=True)
         self.base_model, self.server_id = base_model, server_id
         self.env = dict(os.environ, SLUICEWAY_CACHE=str(cache), HF_HUB_OFFLINE="1", TINKER_TELEMETRY="0")
         self.url = f"http://127.0.0.1:{self.port}"

@@ -63,7 +63,9 @@ class ServerState:
     training_runs: dict[str, dict] = field(default_factory=dict)  # model_id -> its record (get_training_run)
     last_request: dict[str, _dt.datetime] = field(default_factory=dict)  # model_id -> its last request's time
     lock: threading.Lock = field(default_factory=threading.Lock)
-    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="tinker"))
+    # asample's threads: each waits on its engine's generate, so as many as the engines' rows (Samplers.max_running)
+    # run at once and the engine batches them (the cookbook sends a group's samples as separate requests at once)
+    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(16, thread_name_prefix="tinker"))
     samplers: Any = None
 
     def __post_init__(self) -> None:

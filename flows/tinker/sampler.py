@@ -16,8 +16,12 @@ DEFAULT_MAX_TOKENS = 128  # what a request without max_tokens gets (Tinker's own
 
 
 class Samplers:
-    def __init__(self, max_engines: int = 2, max_total_len: int = 2048) -> None:
-        self.max_engines, self.max_total_len = max_engines, max_total_len
+    """An engine's KV cache is allocated whole when it starts: `max_running` rows of `max_total_len` positions
+    (SmolLM2-135M: 94 MB a row in fp32, so 1.5 GB for 16), and at most `max_engines` of them exist at once. An RL
+    loop saves new sampler weights every step (the cookbook's do), so engines come and go all the time."""
+
+    def __init__(self, max_engines: int = 2, max_total_len: int = 2048, max_running: int = 16) -> None:
+        self.max_engines, self.max_total_len, self.max_running = max_engines, max_total_len, max_running
         self._engines: OrderedDict[str, object] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -29,11 +33,11 @@ class Samplers:
             if key in self._engines:
                 self._engines.move_to_end(key)
                 return self._engines[key]
-            engine = Engine(model_dir, max_total_len=self.max_total_len)
-            self._engines[key] = engine
-            while len(self._engines) > self.max_engines:
+            while len(self._engines) >= self.max_engines:  # room first: never one cache more than max_engines
                 _, old = self._engines.popitem(last=False)
                 old.shutdown()  # requests still running on it end with finish_reason abort
+            engine = Engine(model_dir, max_total_len=self.max_total_len, max_running_requests=self.max_running)
+            self._engines[key] = engine
             return engine
 
     def drop(self, model_dir: Path) -> None:
