@@ -12,6 +12,9 @@ was sent and answered, turn by turn, and the observations (text the model did no
   environment's action model (its JSON schema from the server's /schema, less the base class's `metadata`) is
   one function tool named after the model's class (`GuessAction` -> `guess`); each call's arguments are one
   action, its observation the tool's answer. A turn without a call ends the episode.
+  An MCP environment (openenv's MCPEnvironment: its action model is `Action` itself or `CallToolAction`) offers
+  its MCP tools instead: listed with a `list_tools` action after reset, each call a `call_tool` action, the
+  tool's text (or its error) the answer.
 - Or parsed: `--openenv-action-parser module:fn`, fn(text) -> the action's fields (a dict), or None to end the
   episode; observations come back as user messages.
 
@@ -79,6 +82,38 @@ def action_tool(schema: dict) -> dict:
     return {"type": "function", "function": {"name": name, "description": description, "parameters": params}}
 
 
+def is_mcp(schema: dict | None) -> bool:
+    """An action model that is openenv's base `Action` (no fields but metadata) or its MCP `CallToolAction`."""
+    props = set((schema or {}).get("properties") or {}) - {"metadata"}
+    return not props or {"tool_name", "arguments"} <= props
+
+
+def mcp_tools(observation: dict) -> list[dict]:
+    """A ListToolsObservation's tools as function tools."""
+    out = []
+    for t in observation.get("tools") or []:
+        if isinstance(t, dict) and isinstance(t.get("name"), str):
+            params = t.get("input_schema") if isinstance(t.get("input_schema"), dict) else {"type": "object"}
+            out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description") or "",
+                                                         "parameters": params}})  # fmt: skip
+    return out
+
+
+def mcp_text(observation: dict) -> str:
+    """A CallToolObservation as the tool's answer: its text content, or its error."""
+    err = observation.get("error")
+    if isinstance(err, dict) and err.get("message"):
+        return f"Error: {err['message']}"
+    result = observation.get("result")
+    if isinstance(result, dict) and isinstance(result.get("content"), list):
+        texts = [c.get("text") for c in result["content"] if isinstance(c, dict) and isinstance(c.get("text"), str)]
+        if texts:
+            return "\n".join(texts)
+    if isinstance(result, str):
+        return result
+    return json.dumps(result, ensure_ascii=False, default=str)
+
+
 def observation_text(observation: dict) -> str:
     """An observation as the model reads it: its one text field, or its fields as JSON (less reward/done/metadata)."""
     fields = {k: v for k, v in observation.items() if k not in ("reward", "done", "metadata")}
@@ -121,13 +156,15 @@ class OpenEnvEpisodes:
     def __init__(self, servers, action_schema: dict | None, options: EpisodeOptions):
         self.servers = servers  # .session() -> async context manager yielding a server URL; .hung(url)
         self.options = options
-        self.tool = action_tool(action_schema) if options.action_parser is None and action_schema else None
+        tools_mode = options.action_parser is None and action_schema is not None
+        self.mcp = tools_mode and is_mcp(action_schema)
+        self.tools = [action_tool(action_schema)] if tools_mode and not self.mcp else None
         self.details: dict[str, dict] = {}
 
     def _text(self, res: StepResult) -> str:
         fn = self.options.observation_text
         if fn is None:
-            return observation_text(res.observation)
+            return mcp_text(res.observation) if self.mcp else observation_text(res.observation)
         try:
             text = fn(res.observation)
         except Exception as e:  # noqa: BLE001 - the user's function: the sample fails with the reason
@@ -168,16 +205,23 @@ class OpenEnvEpisodes:
                 _reward(res.reward, "reset")
                 if res.done:
                     raise _Abort("the episode was done at reset, before any action")
+                first = observation_text(res.observation) if o.observation_text is None else self._text(res)
+                tools = self.tools
+                if self.mcp:  # the environment's MCP tools (a list_tools action is no step of the episode)
+                    listed = await env.step({"type": "list_tools"}, n=0)
+                    tools = mcp_tools(listed.observation)
+                    if not tools:
+                        raise EnvironmentFailed("the environment's list_tools answered no tools")
                 messages = [{"role": "system", "content": o.system_prompt}] if o.system_prompt else []
-                messages.append({"role": "user", "content": self._text(res)})
+                messages.append({"role": "user", "content": first})
                 for _ in range(o.max_turns):
-                    msg, finish = await self._model_turn(http, base_url, messages)
+                    msg, finish = await self._model_turn(http, base_url, messages, tools)
                     if msg is None:
                         return None  # the session ended (the run cut it short): nothing to score
                     messages.append(msg)
                     if finish == "length" and not msg["content"] and not msg.get("tool_calls"):
                         break  # the session's token budget is spent: answered without a model turn
-                    new, acted = await self._act(env, msg, d)
+                    new, acted = await self._act(env, msg, d, tools)
                     if d["done"] or not acted:
                         break
                     messages += new
@@ -192,10 +236,10 @@ class OpenEnvEpisodes:
             raise EnvironmentFailed(f"the episode's return {total!r} is not a finite float32")
         return total
 
-    async def _model_turn(self, http, base_url: str, messages: list[dict]) -> tuple[dict | None, str | None]:
+    async def _model_turn(self, http, base_url: str, messages: list[dict], tools) -> tuple[dict | None, str | None]:
         body: dict[str, Any] = {"model": "policy", "messages": messages}
-        if self.tool is not None:
-            body["tools"] = [self.tool]
+        if tools:
+            body["tools"] = tools
         if self.options.turn_tokens:
             body["max_tokens"] = self.options.turn_tokens
         r = await http.post(f"{base_url}/chat/completions", json=body)
@@ -228,7 +272,7 @@ class OpenEnvEpisodes:
         d["done"] = res.done
         return res, None
 
-    async def _act(self, env: OpenEnvSession, msg: dict, d: dict) -> tuple[list[dict], bool]:
+    async def _act(self, env: OpenEnvSession, msg: dict, d: dict, tools) -> tuple[list[dict], bool]:
         """The turn's actions stepped: (the messages that answer them, whether there was any action)."""
         if self.options.action_parser is not None:
             try:
@@ -240,16 +284,19 @@ class OpenEnvEpisodes:
             res, refused = await self._step(env, action, d)
             return [{"role": "user", "content": f"Invalid action: {refused}" if refused else self._text(res)}], True
         calls = msg.get("tool_calls") or []
+        names = [t["function"]["name"] for t in tools or []]
         out = []
         for call in calls:
             fn = call.get("function") or {}
-            if fn.get("name") != self.tool["function"]["name"]:
-                text = f"Error: unknown tool {fn.get('name')!r}; the tool is {self.tool['function']['name']!r}"
+            if fn.get("name") not in names:
+                text = f"Error: unknown tool {fn.get('name')!r}; the tools are {', '.join(map(repr, names))}"
             else:
                 try:
                     args = json.loads(fn.get("arguments") or "{}")
                 except ValueError:
                     args = None
+                if self.mcp and isinstance(args, dict):
+                    args = {"type": "call_tool", "tool_name": fn["name"], "arguments": args}
                 res, refused = await self._step(env, args, d)
                 text = f"Error: invalid action: {refused}" if refused else self._text(res)
             out.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": text})

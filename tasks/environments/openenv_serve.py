@@ -38,7 +38,7 @@ def load_target(target: str):
             path = os.path.abspath(module_name)
             if not os.path.isfile(path):
                 fail(f"{target}: {module_name} not found")
-            sys.path.insert(0, os.path.dirname(path))
+            sys.path[:0] = [os.path.dirname(path), os.getcwd()]  # its siblings, and the package root it is run from
             spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
             module = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = module

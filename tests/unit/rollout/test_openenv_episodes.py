@@ -173,6 +173,9 @@ def test_a_dying_hanging_or_badly_rewarding_environment_fails_its_sample_and_the
         servers.close()
 
 
+MOVE = {"title": "MoveAction", "properties": {"to": {"type": "string"}}}
+
+
 def test_a_reward_that_is_not_a_number_from_a_protocol_server_fails_the_sample(tiny):
     """A server speaking the protocol without openenv's models (openenv:URL) can send anything."""
     _, tok = tiny
@@ -189,8 +192,8 @@ def test_a_reward_that_is_not_a_number_from_a_protocol_server_fails_the_sample(t
     async def go():
         async with serve(handler, "127.0.0.1", 0) as server:
             port = server.sockets[0].getsockname()[1]
-            gen = OpenEnvGenerate(RemoteServer(f"http://127.0.0.1:{port}"), {"title": "MoveAction"}, EpisodeOptions())
-            engine = ScriptedEngine(tok, ['<tool_call>{"name": "move", "arguments": {}}</tool_call>'])
+            gen = OpenEnvGenerate(RemoteServer(f"http://127.0.0.1:{port}"), MOVE, EpisodeOptions())
+            engine = ScriptedEngine(tok, ['<tool_call>{"name": "move", "arguments": {"to": "up"}}</tool_call>'])
             try:
                 return await play(tok, gen, engine)
             finally:
@@ -208,3 +211,24 @@ def test_mistakes_are_one_line_before_the_run_starts():
         check_openenv_source("openenv:http://127.0.0.1:9")
     with pytest.raises(UserError, match="expected openenv:URL"):
         check_openenv_source("openenv:")
+
+
+def test_an_mcp_environment_offers_its_mcp_tools(tiny):
+    """openenv's MCPEnvironment (tests/data/openenv_mcp_counter.py): its action model is the base Action, so the
+    episode lists the MCP tools (list_tools) and each call is a call_tool action whose text is the answer."""
+    _, tok = tiny
+    target = f"{DATA / 'openenv_mcp_counter.py'}:CounterEnv"
+    schema = check_openenv_source(f"openenv:{target}")
+    servers = LocalServers(target, _python(), 2, concurrent=schema["concurrent"])
+    gen = OpenEnvGenerate(servers, schema["action"], EpisodeOptions())
+    engine = ScriptedEngine(tok, ['<tool_call>{"name": "add", "arguments": {"n": 2}}</tool_call>',
+                                  '<tool_call>{"name": "add", "arguments": {"n": 3}}</tool_call>', "done"])  # fmt: skip
+    try:
+        res = asyncio.run(play(tok, gen, engine))
+    finally:
+        gen.close()
+    assert res.abort_reason is None and res.turns == 3 and res.reward == 0.0
+    assert res.reward_details["steps"] == 2 and not res.reward_details["done"]
+    spans = check_tokens_match_engine(res, engine)
+    assert [("total 2" in tok.decode(a), "total 5" in tok.decode(b)) for a, b in [spans]] == [(True, True)]
+    assert "Add n to the counter" in res.prompt_text and "Bring the counter to 5" in res.prompt_text
