@@ -216,6 +216,9 @@ def preflight(cfg: RunConfig, command: str) -> None:
     ):
         raise UserError(f"--prompt-data {d.prompt_data} plays the environment's episodes itself: it cannot be combined"
                         " with --agent-function-path or --custom-generate-function-path")  # fmt: skip
+    if (d.prompt_data or "").startswith("openenv:") and cfg.eval_sets:
+        raise UserError(f"--prompt-data {d.prompt_data}: evaluation sets are not played as OpenEnv episodes yet: "
+                        "unset --eval-prompt-data")  # fmt: skip
     check_conventions(cfg)
     hf = model_config(cfg.training.hf_checkpoint)  # last: a zoo name imports torch
     if hf is not None and command in ("run", "eval"):  # the commands that start engines
