@@ -232,3 +232,20 @@ def test_an_mcp_environment_offers_its_mcp_tools(tiny):
     spans = check_tokens_match_engine(res, engine)
     assert [("total 2" in tok.decode(a), "total 5" in tok.decode(b)) for a, b in [spans]] == [(True, True)]
     assert "Add n to the counter" in res.prompt_text and "Bring the counter to 5" in res.prompt_text
+
+
+def test_preflight_refuses_what_an_openenv_source_cannot_be_combined_with(tmp_path):
+    from sluiceway.flows.config import RunConfig
+    from sluiceway.flows.preflight import preflight
+
+    _python()
+    base = {"data": {"prompt_data": f"openenv:{GAME}"}, "storage": {"output_dir": str(tmp_path / "run")}}
+    agent = RunConfig(**base, rollout={"agent_function_path": "examples/agent_openai_tools.py:agent"})
+    with pytest.raises(UserError, match="cannot be combined with --agent-function-path"):
+        preflight(agent, "run")
+    evals = RunConfig(**base, eval={"eval_prompt_data": ["env:arithmetic"], "eval_interval": 1})
+    with pytest.raises(UserError, match="evaluation sets are not played as OpenEnv episodes"):
+        preflight(evals, "run")
+    parser = RunConfig(**{**base, "data": {**base["data"], "openenv_action_parser": "nope.py:parse"}})
+    with pytest.raises(UserError, match="--openenv-action-parser nope.py:parse: nope.py not found"):
+        preflight(parser, "run")
