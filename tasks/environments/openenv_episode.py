@@ -28,11 +28,13 @@ started again for the next session. Protocol: openenv_client.py; serving: openen
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
 import random
 import re
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -41,7 +43,13 @@ import httpx
 
 from sluiceway.infra.errors import UserError
 from sluiceway.storage.trajectories import reward_problem
-from sluiceway.tasks.environments.openenv_client import ActionRefused, EnvironmentFailed, OpenEnvSession, StepResult
+from sluiceway.tasks.environments.openenv_client import (
+    ActionRefused,
+    CapacityReached,
+    EnvironmentFailed,
+    OpenEnvSession,
+    StepResult,
+)
 
 log = logging.getLogger("sluiceway")
 PREFIX = "openenv:"
@@ -199,9 +207,8 @@ class OpenEnvEpisodes:
         async with self.servers.session() as url:
             env = OpenEnvSession(url, timeout_s=o.timeout_s)
             try:
-                await env.open()
                 reset_kwargs = {"seed": meta["seed"]} if isinstance(meta.get("seed"), int) else {}
-                res = await env.reset(**reset_kwargs)
+                res = await self._reset(env, reset_kwargs)
                 _reward(res.reward, "reset")
                 if res.done:
                     raise _Abort("the episode was done at reset, before any action")
@@ -235,6 +242,20 @@ class OpenEnvEpisodes:
         if reward_problem(total) is not None:
             raise EnvironmentFailed(f"the episode's return {total!r} is not a finite float32")
         return total
+
+    async def _reset(self, env: OpenEnvSession, kwargs: dict) -> StepResult:
+        """Connect and reset; a server at its capacity (a running one, openenv:URL) is tried again every half second
+        for up to its `wait_s`."""
+        end = time.monotonic() + getattr(self.servers, "wait_s", 0.0)
+        while True:
+            await env.open()
+            try:
+                return await env.reset(**kwargs)
+            except CapacityReached:
+                await env.close()
+                if time.monotonic() >= end:
+                    raise
+                await asyncio.sleep(0.5)
 
     async def _model_turn(self, http, base_url: str, messages: list[dict], tools) -> tuple[dict | None, str | None]:
         body: dict[str, Any] = {"model": "policy", "messages": messages}

@@ -96,7 +96,7 @@ def test_protocol_client_against_the_openenv_server(game):
     asyncio.run(go())
 
 
-def test_a_class_served_one_session_at_a_time_refuses_a_second_connection():
+def test_a_class_served_one_session_at_a_time_refuses_a_second_connection_and_an_episode_waits(tiny):
     servers = LocalServers(SOLO, _python(), 4, concurrent=False)
     server = servers._start()  # one server, as openenv serves the class: one session
 
@@ -107,9 +107,21 @@ def test_a_class_served_one_session_at_a_time_refuses_a_second_connection():
                 with pytest.raises(CapacityReached, match="CAPACITY_REACHED"):
                     await b.reset(seed=1)
 
+    async def two_episodes(tok):  # a running server at its capacity: the second episode waits for a place
+        gen = OpenEnvGenerate(RemoteServer(server.url), fetch_schema(server.url)["action"], EpisodeOptions())
+        engine = ScriptedEngine(tok, [call(1), "no"], delay_s=0.3)
+        try:
+            return await asyncio.gather(
+                play(tok, gen, engine, rid="run/0/0/0"), play(tok, gen, engine, rid="run/0/0/1")
+            )
+        finally:
+            gen.close()
+
     try:
         assert server.capacity == 1
         asyncio.run(go())
+        for res in asyncio.run(two_episodes(tiny[1])):
+            assert res.abort_reason is None  # not CAPACITY_REACHED: it waited
     finally:
         server.stop()
 
