@@ -11,7 +11,8 @@ Routes, under a session's prefix `/sessions/SID` or the root (then the key alone
 
 Every session has its own key (`Authorization: Bearer KEY` or `x-api-key: KEY`), made when it opens and dropped
 when it closes; a key opens its own session's routes and no other: another session's id in the path (or in an
-`X-Session-Id` header) is a 404, an unknown key a 401. There is no run-wide key.
+`X-Session-Id` header, which may also carry a name the session registered: `AgentSession.aliases`) is a 404, an
+unknown key a 401. There is no run-wide key.
 
 What the endpoint holds is bounded, whoever connects (issue 40): at most `max_connections` open connections (a
 quarter of the process's file-handle limit, at most 1024); a connection with no request in flight (a fresh one
@@ -323,9 +324,10 @@ class AgentProxy:
         s = self._by_key.get(_digest(key)) if key else None
         if s is None or not secrets.compare_digest(s.key.encode(), key.encode()):
             raise SessionError("invalid API key: use the key your session was given", 401)
-        for named in (sid, header_sid):
-            if named is not None and named != s.sid:
-                raise SessionError(f"unknown session {named}", 404)
+        if sid is not None and sid != s.sid:
+            raise SessionError(f"unknown session {sid}", 404)
+        if header_sid is not None and header_sid != s.sid and header_sid not in s.aliases:
+            raise SessionError(f"unknown session {header_sid}", 404)
         return s
 
     # -------------------------------------------------------------------------------- the thread

@@ -70,6 +70,9 @@ class AgentSession:
     renderer: ChatRenderer | None
     loop: asyncio.AbstractEventLoop | None = None  # the rollout's loop: model turns run there
     key: str = ""  # the session's own API key: opens this session's routes and no other
+    # Other names an `X-Session-Id` header may give this session: a client that sends its own id there (verifiers
+    # sends its trace's id, tasks/rollout/agent/verifiers.py) registers it; any other id is still a 404.
+    aliases: set[str] = field(default_factory=set)
     ctx_prompt_ids: list[int] = field(default_factory=list)
     buf: TokenBuffer | None = None
     prompt_text: str = ""

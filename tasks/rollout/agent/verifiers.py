@@ -1,0 +1,226 @@
+"""A verifiers (v1) environment's episodes as rollouts: `--prompt-data verifiers:NAME`.
+
+For each sample the run opens an agent session (server.py) and runs the environment's `run_episode(task, ctx)`
+with a model context whose client is the session: verifiers' eval client (`EvalClientConfig`) relays each model
+call of its harness to `{base_url}/chat/completions` (or the Responses or Messages route), so the session records
+the engine's tokens and log-probs turn by turn exactly as for an agent function (docs/agents.md), never
+verifiers' own re-tokenising. verifiers names the rollout in an `X-Session-ID` header (its trace's id): the
+trace is registered as the session's alias when verifiers mints it, before its first model call. The session's
+key reaches verifiers' client through an environment variable named for the session (`SLUICEWAY_VF_API_KEY_<sid>`,
+set for the episode only; verifiers' subprocess runtime passes no variable whose name holds API_KEY to the
+harness's processes).
+
+The row: the session's tokens (mask 1 the model's, 0 the rest), reward the trace's (its rubric's weighted sum,
+`Trace.reward`), `reward_details` `{"source": "verifiers", "rewards": {name: {"score", "weight"}}, "metrics"}`
+and the same under the row's `metadata.verifiers`. A failed episode (the environment raised or timed out, a
+reward that is not a finite number, a harness that exited with an error) is the sample's failure: stored as
+aborted with the reason in `metadata.abort_reason`, the run goes on.
+
+The environment's serving resources (verifiers' interception server, shared tool servers) live on the endpoint's
+event loop from the first sample until `close`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from typing import Any
+
+from sluiceway.storage.trajectories import reward_problem
+from sluiceway.tasks.environments import verifiers_env
+from sluiceway.tasks.rollout.agent.proxy import AgentGenerate
+from sluiceway.tasks.rollout.agent.server import AgentProxy, one_line
+from sluiceway.tasks.rollout.agent.session import DROPPED, AgentSession
+from sluiceway.tasks.rollout.multiturn import GenerateContext, TokenBuffer
+
+KEY_VAR = "SLUICEWAY_VF_API_KEY_"  # + the session id: the variable verifiers' client reads the session's key from
+MODEL = "policy"
+
+
+@dataclasses.dataclass
+class EpisodeBuffer(TokenBuffer):
+    """A session's sample with what the episode adds to its row."""
+
+    reward_details: dict | None = None
+    row_metadata: dict | None = None
+
+
+def _errors(episode) -> list:
+    out = list(episode.errors)
+    for t in episode.traces:
+        out += list(t.errors)
+    return out
+
+
+def judge_episode(episode, session_turns: int) -> tuple[float | None, str | None, dict]:
+    """(reward, why the sample failed, what the row records) of a finished episode. Plain logic over verifiers'
+    Episode and Trace."""
+    info: dict[str, Any] = {}
+    traces = list(episode.traces)
+    if traces:
+        t = traces[0]
+        info = {
+            "trace_id": t.id,
+            "rewards": {k: None if r is None else {"score": r.score, "weight": r.weight} for k, r in t.rewards.items()},
+            "metrics": dict(t.metrics),
+            "turns": len(t.calls),
+            "branches": t.num_branches,
+        }
+        if t.stop_condition:
+            info["stop_condition"] = t.stop_condition
+    errors = _errors(episode)
+    if errors:
+        e = errors[0]
+        timed_out = episode.is_timeout or any(t.is_timeout for t in traces)
+        what = "timed out" if timed_out else "failed"
+        return None, f"the verifiers episode {what}: {e.type}: {one_line(e.message, 300)}", info
+    if len(traces) != 1:
+        return None, (f"the verifiers episode has {len(traces)} traces; one agent's trace per episode is supported "
+                      "(multi-agent environments are not)"), info  # fmt: skip
+    t = traces[0]
+    if t.num_branches > 1:
+        return None, (f"the trace has {t.num_branches} branches (a harness that rewrote its history); a session "
+                      "holds one"), info  # fmt: skip
+    if not episode.ok or not t.ok:
+        return None, "the verifiers episode did not finish (not ok) and gave no error", info
+    for name, r in t.rewards.items():
+        if r is None:
+            return None, f"the verifiers reward {name!r} was not scored", info
+        problem = reward_problem(r.score) or reward_problem(r.weight)
+        if problem is not None:
+            return None, f"the verifiers reward {name!r} is a {problem}", info
+    total = t.reward
+    problem = reward_problem(total)
+    if problem is not None:
+        return None, f"the verifiers trace's reward is a {problem}", info
+    if session_turns != len(t.calls):
+        return None, (f"the trace holds {len(t.calls)} model calls but the session answered {session_turns}: "
+                      "some calls did not reach the run's endpoint"), info  # fmt: skip
+    return float(total), None, info
+
+
+class VerifiersGenerate(AgentGenerate):
+    """A custom generate function (tasks/rollout/multiturn.py) running one episode of a verifiers environment per
+    sample on an agent session of the run's endpoint (see module doc)."""
+
+    def __init__(self, source: str, args: dict | None, tokenizer=None, endpoint: AgentProxy | None = None):
+        super().__init__(fn=None, tokenizer=tokenizer, endpoint=endpoint)
+        self.source = source
+        self.name = verifiers_env.env_name(source)
+        self.args = args
+        self.env = verifiers_env.load_env(source, args)  # a mistake is a UserError here, before engines start
+        self._tasks: dict[int, Any] = {}
+        self._serving: asyncio.Task | None = None
+        self._ready: asyncio.Event | None = None
+        self._stop: asyncio.Event | None = None
+        self._serve_error: BaseException | None = None
+
+    # -------------------------------------------------------------------------------- the environment
+    def task_for(self, prompt) -> Any:
+        meta = (prompt.metadata or {}).get("verifiers") or {}
+        idx = meta.get("idx")
+        if not isinstance(idx, int):
+            raise ValueError(f"prompt {prompt.prompt_id} names no verifiers task (metadata.verifiers.idx)")
+        if idx not in self._tasks:
+            for task in verifiers_env.tasks(self.env, idx + 1):
+                self._tasks.setdefault(task.data.idx, task)
+        task = self._tasks.get(idx)
+        if task is None:
+            raise ValueError(f"the taskset has no task {idx}")
+        if meta.get("key") not in (None, task.key):
+            raise ValueError(f"task {idx} of the taskset is not the one the dataset recorded (its key differs)")
+        return task
+
+    async def _serve(self) -> None:
+        try:
+            async with self.env.serving():
+                self._ready.set()
+                await self._stop.wait()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - every sample then fails with this reason (a SystemExit too:
+            self._serve_error = e  # it must not end the endpoint's loop)
+        finally:
+            self._ready.set()
+
+    async def _ensure_serving(self) -> None:
+        """verifiers' serving resources, started once on the endpoint's loop (this coroutine runs there)."""
+        if self._serving is None or self._serving.done():
+            self._ready, self._stop, self._serve_error = asyncio.Event(), asyncio.Event(), None
+            self._serving = asyncio.get_running_loop().create_task(self._serve())
+        await self._ready.wait()
+        if self._serve_error is not None:
+            e = self._serve_error
+            raise RuntimeError(f"starting the environment's servers failed: {type(e).__name__}: {one_line(e, 200)}")
+
+    async def _episode(self, s: AgentSession, task) -> Any:
+        import verifiers.v1 as vf
+
+        await self._ensure_serving()
+        var = KEY_VAR + s.sid
+        os.environ[var] = s.key
+        ctx = vf.ModelContext(model=MODEL, client=vf.EvalClientConfig(base_url=self.endpoint.base_url(s.sid),
+                                                                      api_key_var=var))  # fmt: skip
+
+        def minted(trace) -> None:  # before the trace's first model call: its id names the session
+            s.aliases.add(trace.id)
+
+        try:
+            return await self.env.run_episode(task, ctx, on_trace=minted)
+        except (Exception, asyncio.CancelledError):
+            raise
+        except BaseException as e:  # a SystemExit from the environment's code must not end the endpoint's loop
+            raise RuntimeError(f"{type(e).__name__}: {e}") from None
+        finally:
+            os.environ.pop(var, None)
+
+    def close(self) -> None:
+        loop, stop = self.endpoint.loop, self._stop
+        if self._serving is not None and loop is not None and stop is not None and loop.is_running():
+
+            async def shut() -> None:
+                stop.set()
+                await asyncio.wait({self._serving}, timeout=30)
+
+            try:
+                asyncio.run_coroutine_threadsafe(shut(), loop).result(timeout=35)
+            except Exception:  # noqa: BLE001 - closing: the loop stops next
+                pass
+        self._serving = None
+        super().close()
+
+    # -------------------------------------------------------------------------------- one sample
+    async def __call__(self, ctx: GenerateContext, prompt, params: dict) -> TokenBuffer:
+        p = self.endpoint
+        p.start()
+        s = p.open(ctx, params, ctx.tokenizer, self.renderer(ctx.tokenizer), list(prompt.token_ids))
+        details: dict = {**((prompt.metadata or {}).get("verifiers") or {}), "env": self.name}
+        fut = None
+        try:
+            task = self.task_for(prompt)
+            fut = asyncio.run_coroutine_threadsafe(self._episode(s, task), p.loop)
+            episode = await asyncio.wrap_future(fut)
+            turns = s.buf.turns if s.buf is not None else 0
+            reward, reason, info = judge_episode(episode, turns)
+            details.update(info)
+            if s._lock is not None and s._lock.locked():
+                reason = reason or DROPPED
+            if reason is not None:
+                s.aborted = s.aborted or reason
+            elif not s.aborted:
+                s.reward = reward
+        except asyncio.CancelledError:
+            if fut is not None:
+                fut.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 - the environment's failure is the sample's, stored as aborted
+            s.aborted = s.aborted or f"the verifiers episode raised {type(e).__name__}: {one_line(e, 200)}"
+        finally:
+            p.close(s)
+        if s.refused is not None:
+            raise s.refused
+        buf = s.result()
+        fields = {f.name: getattr(buf, f.name) for f in dataclasses.fields(TokenBuffer)}
+        reward_details = {"source": "verifiers", **details}
+        return EpisodeBuffer(**fields, reward_details=reward_details, row_metadata={"verifiers": details})
