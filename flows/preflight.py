@@ -24,14 +24,23 @@ if TYPE_CHECKING:
 
 
 def check_data_source(
-    source: str, input_key: str, label_key: str | None, metadata_key: str, flag: str = "--prompt-data"
-) -> None:
-    """A prompt file (every line parsed and its keys checked), an `env:` spec or an `openenv:` source; errors name
+    source: str, input_key: str, label_key: str | None, metadata_key: str, flag: str = "--prompt-data",
+    verifiers_args: dict | None = None,
+) -> None:  # fmt: skip
+    """A prompt file (every line parsed and its keys checked), an `env:` spec, a `verifiers:` source (its
+    environment built, `verifiers_args` its data.verifiers_env) or an `openenv:` source; errors name
     `flag`."""
     if source.startswith("env:"):
         from sluiceway.tasks.environments import parse_spec
 
         parse_spec(source)
+        return
+    if source.startswith("verifiers:"):  # imports verifiers and the taskset, builds the environment (a few seconds)
+        if flag != "--prompt-data":
+            raise UserError(f"{flag} {source}: a verifiers environment is a training source only (--prompt-data)")
+        from sluiceway.tasks.environments.verifiers_env import load_env
+
+        load_env(source, verifiers_args)
         return
     if source.startswith("openenv:"):  # the server answers, or the class imports where openenv is (a few seconds)
         if flag != "--prompt-data":
@@ -201,7 +210,7 @@ def preflight(cfg: RunConfig, command: str) -> None:
     if command == "sft" and d.prompt_data:
         check_data_source(d.prompt_data, d.input_key, d.response_key, d.metadata_key)
     elif command == "run" and d.prompt_data:
-        check_data_source(d.prompt_data, d.input_key, d.label_key, d.metadata_key)
+        check_data_source(d.prompt_data, d.input_key, d.label_key, d.metadata_key, verifiers_args=d.verifiers_env)
     if command in ("run", "eval"):
         for _, source in cfg.eval_sets:
             check_data_source(source, d.input_key, d.label_key, d.metadata_key, flag="--eval-prompt-data")
@@ -216,6 +225,14 @@ def preflight(cfg: RunConfig, command: str) -> None:
     ):
         raise UserError(f"--prompt-data {d.prompt_data} plays the environment's episodes itself: it cannot be combined"
                         " with --agent-function-path or --custom-generate-function-path")  # fmt: skip
+    if (d.prompt_data or "").startswith("verifiers:") and (
+        cfg.rollout.agent_function_path or cfg.rollout.custom_generate_function_path
+    ):
+        raise UserError(f"--prompt-data {d.prompt_data} runs the environment's episodes itself: it cannot be combined"
+                        " with --agent-function-path or --custom-generate-function-path")  # fmt: skip
+    if (d.prompt_data or "").startswith("verifiers:") and cfg.eval_sets:
+        raise UserError(f"--prompt-data {d.prompt_data}: evaluation sets are not played as verifiers episodes yet: "
+                        "unset --eval-prompt-data")  # fmt: skip
     if (d.prompt_data or "").startswith("openenv:") and cfg.eval_sets:
         raise UserError(f"--prompt-data {d.prompt_data}: evaluation sets are not played as OpenEnv episodes yet: "
                         "unset --eval-prompt-data")  # fmt: skip

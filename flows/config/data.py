@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+import json
+
+from pydantic import Field, field_validator
 
 from sluiceway.flows.config.group import Group
 
@@ -10,8 +12,9 @@ from sluiceway.flows.config.group import Group
 class DataConfig(Group):
     prompt_data: str | None = Field(
         None,
-        description="JSONL or Parquet file of prompts (slime format), 'env:NAME' for a procedural environment, or "
-        "'openenv:URL' / 'openenv:MODULE:Class' for an OpenEnv environment (docs/environments.md).",
+        description="JSONL or Parquet file of prompts (slime format), 'env:NAME' for a procedural environment, "
+        "'verifiers:NAME' for a verifiers (v1) environment, or 'openenv:URL' / 'openenv:MODULE:Class' for an OpenEnv "
+        "environment (docs/environments.md).",
     )
     input_key: str = Field("input", description="Field holding the prompt: plain text or a list of chat messages.")
     label_key: str | None = Field("label", description="Field holding the reference answer.")
@@ -57,7 +60,26 @@ class DataConfig(Group):
         gt=0,
         description="With an openenv: prompt source, seconds an environment's answer may take before its sample fails.",
     )
+    verifiers_env: dict = Field(
+        default_factory=dict,
+        description="With a verifiers:NAME prompt source, verifiers' own [env] block as a mapping (a JSON object on "
+        "the command line): the taskset's arguments under 'taskset', the agent's harness under 'agent.harness', "
+        "'timeout', ...; taskset.id is NAME, agents run on the local subprocess runtime unless another local one "
+        "is named.",
+    )
+
+    @field_validator("verifiers_env", mode="before")
+    @classmethod
+    def _verifiers_env_json(cls, v):
+        if isinstance(v, str):  # the flag's value
+            try:
+                return json.loads(v)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"verifiers_env: not a JSON object: {e}") from None
+        return v
 
     def check(self, context: dict) -> None:
+        if self.verifiers_env and not (self.prompt_data or "").startswith("verifiers:"):
+            raise ValueError("verifiers_env is set but prompt_data is not a verifiers:NAME source")
         if self.adaptive_difficulty and not (self.prompt_data or "").startswith("env:"):
             raise ValueError("adaptive_difficulty needs an environment as prompt_data (env:NAME or env:mix(...))")

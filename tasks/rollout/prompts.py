@@ -16,19 +16,23 @@ from sluiceway.infra.errors import UserError
 from sluiceway.models.chat import encode_prompt, render_prompt
 from sluiceway.storage.datasets import import_prompts, import_records, load_prompts
 from sluiceway.storage.object_store import ObjectStore
-from sluiceway.tasks.environments import generate_env
+from sluiceway.tasks.environments import generate_env, verifiers_env
 from sluiceway.tasks.environments.adaptive_source import AdaptivePromptSource
 from sluiceway.tasks.environments.openenv_episode import openenv_records
 from sluiceway.tasks.environments.openenv_servers import openenv_generate
 from sluiceway.tasks.rollout.agent.proxy import AgentGenerate, load_agent_function
+from sluiceway.tasks.rollout.agent.verifiers import VerifiersGenerate
 from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings
 from sluiceway.tasks.rollout.slime_plugins.generate import load_generate
 
 
-def dataset_table_name(prompt_data: str, env_size: int, seed: int) -> str:
-    """One table per distinct source: a file's name plus a hash of its bytes, or the environment spec."""
+def dataset_table_name(prompt_data: str, env_size: int, seed: int, args: dict | None = None) -> str:
+    """One table per distinct source: a file's name plus a hash of its bytes, or the environment spec (`args`: a
+    verifiers source's data.verifiers_env)."""
     if prompt_data.startswith("env:"):
         return "datasets/" + prompt_data[4:].replace(":", "-") + f"-n{env_size}-s{seed}"
+    if prompt_data.startswith("verifiers:"):  # the taskset's tasks (tasks/environments/verifiers_env.py)
+        return verifiers_env.table_name(prompt_data, args, env_size)
     if prompt_data.startswith("openenv:"):  # episodes' reset seeds (tasks/environments/openenv_episode.py)
         digest = hashlib.sha256(prompt_data.encode()).hexdigest()[:12]
         return f"datasets/openenv-{digest}-n{env_size}-s{seed}"
@@ -41,8 +45,11 @@ def dataset_table_name(prompt_data: str, env_size: int, seed: int) -> str:
 
 def load_dataset(cfg: RunConfig, store: ObjectStore, prompt_data: str, size: int, seed: int) -> list[dict]:
     d = cfg.data
-    name = dataset_table_name(prompt_data, size, seed)
-    if prompt_data.startswith(("env:", "openenv:")):
+    name = dataset_table_name(prompt_data, size, seed, d.verifiers_env)
+    if prompt_data.startswith("verifiers:"):
+        import_records(verifiers_env.records(prompt_data, d.verifiers_env, size), store, name, source=prompt_data,
+                       input_key="input", label_key="label", metadata_key="metadata")  # fmt: skip
+    elif prompt_data.startswith(("env:", "openenv:")):
         records = (
             generate_env(prompt_data, size, seed)
             if prompt_data.startswith("env:")
@@ -110,6 +117,8 @@ def build_rollout_settings(cfg: RunConfig, tokenizer, hf_dir: Path, slime_args=N
         custom_generate=load_generate(cfg, hf_dir, slime_args) if r.custom_generate_function_path
         else AgentGenerate(load_agent_function(r.agent_function_path)) if r.agent_function_path
         else openenv_generate(cfg) if (cfg.data.prompt_data or "").startswith("openenv:")
+        else VerifiersGenerate(cfg.data.prompt_data, cfg.data.verifiers_env)
+        if (cfg.data.prompt_data or "").startswith("verifiers:")
         else None, tokenizer=tokenizer, max_prompt_len=r.rollout_max_prompt_len,
     )  # fmt: skip
 
