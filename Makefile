@@ -9,6 +9,12 @@ STAMP := $(VENV)/.sluiceway-installed
 # speaks its protocol (tasks/environments/openenv_client.py); no torch here.
 OPENENV_VENV ?= .venv-openenv
 OPENENV_STAMP := $(OPENENV_VENV)/.sluiceway-installed
+# verifiers (--prompt-data verifiers:NAME) needs openai<3, the dev extra's openai-agents openai>=3: its extra goes in a
+# venv layered over .venv (a .pth adds .venv's site-packages after its own), which holds only what verifiers adds or
+# pins (openai 2.54, mcp 2.0, ...). Its Python runs a run with a verifiers: source and make test's verifiers tests.
+VERIFIERS_VENV ?= .venv-verifiers
+VERIFIERS_STAMP := $(VERIFIERS_VENV)/.sluiceway-installed
+VERIFIERS_TESTS := tests/unit/rollout/test_verifiers_episodes.py tests/integration/test_verifiers_run.py
 PYTEST_ARGS ?=
 
 .PHONY: install demo test test-fast test-avx2 test-all lint clean bench-trl
@@ -37,7 +43,18 @@ $(OPENENV_STAMP): Makefile
 	$(OPENENV_VENV)/bin/python -m pip --disable-pip-version-check install -q openenv==0.10.0
 	touch $(OPENENV_STAMP)
 
-install: $(STAMP) $(OPENENV_STAMP)
+$(VERIFIERS_STAMP): $(STAMP) pyproject.toml Makefile
+	$(PYTHON) -m venv $(VERIFIERS_VENV)
+	echo "import site; site.addsitedir('$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+		> "$$($(VERIFIERS_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_sluiceway_base.pth"
+	# pip then lists what .venv's packages require and this venv changes or lacks (openai-agents' openai>=3, the
+	# cookbook's absent tml-renderers): never imported here; the import below is the check.
+	$(VERIFIERS_VENV)/bin/python -m pip --disable-pip-version-check install -q -e '.[verifiers]' 2>&1 | \
+		grep -v "which is not installed\|but you have\|dependency resolver does not\|is ignored: it is neither" || true
+	$(VERIFIERS_VENV)/bin/python -c "import verifiers.v1, openai, sluiceway.flows"
+	touch $(VERIFIERS_STAMP)
+
+install: $(STAMP) $(OPENENV_STAMP) $(VERIFIERS_STAMP)
 
 demo: install
 	$(VENV)/bin/sluiceway run examples/demo_smollm2.yaml
@@ -68,6 +85,7 @@ XDIST = -n $(TEST_WORKERS) --dist loadgroup
 test: install
 	$(FRESH) $(PY) -m pytest -q -p no:cacheprovider -m "not slow" $(XDIST) --durations=25 $(PYTEST_ARGS)
 	$(FRESH) $(AVX2_ONLY) $(PY) -m pytest -q -m "not slow" -p no:cacheprovider $(XDIST) $(FAST_PATH_TESTS)
+	$(FRESH) $(VERIFIERS_VENV)/bin/python -m pytest -q -m "not slow" -p no:cacheprovider $(XDIST) $(VERIFIERS_TESTS)
 
 # The unit tier alone (no process started but the session's SeaweedFS for the store fixture's s3 variant), with
 # this machine's warm caches.
@@ -88,4 +106,4 @@ lint: install
 	$(VENV)/bin/ruff check flows tasks storage models infra tests
 
 clean:
-	rm -rf $(VENV) $(OPENENV_VENV) runs .pytest_cache tests/artifacts
+	rm -rf $(VENV) $(OPENENV_VENV) $(VERIFIERS_VENV) runs .pytest_cache tests/artifacts
