@@ -121,6 +121,10 @@ class _Server:
         return self.proc.poll() is None
 
     def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 5 s; a retired server (one that hung) at once: its stuck step would hold
+        up its exit."""
+        if self.proc.poll() is None and self.retired:
+            self.proc.kill()
         if self.proc.poll() is None:
             self.proc.terminate()
             try:

@@ -79,6 +79,7 @@ def test_protocol_client_against_the_openenv_server(game):
         async with game.session() as url:
             schema = fetch_schema(url)
             assert schema["action"]["title"] == "GuessAction"
+            assert check_openenv_source(f"openenv:{url}") == schema  # openenv:URL's preflight
             tool = action_tool(schema["action"])["function"]
             assert tool["name"] == "guess" and set(tool["parameters"]["properties"]) == {"number"}
             async with OpenEnvSession(url, timeout_s=30) as env:
