@@ -21,6 +21,8 @@ import json
 import os
 import socket
 import sys
+import threading
+import time
 import typing
 
 
@@ -121,8 +123,17 @@ def main(argv: list[str]) -> None:
     sock.bind(("127.0.0.1", 0))
     sock.listen(256)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", ws_ping_interval=None, lifespan="on"))
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     print(f"PORT {sock.getsockname()[1]} CAPACITY {capacity}", flush=True)
     server.run(sockets=[sock])
+
+
+def _exit_with_parent(parent: int) -> None:
+    """The run started this server in a session of its own: should the run die without stopping it (SIGKILL, OOM),
+    the server goes too rather than outlive it."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
 
 
 if __name__ == "__main__":
