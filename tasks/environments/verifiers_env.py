@@ -92,12 +92,23 @@ def _one_line(e: BaseException, limit: int = 300) -> str:
     return f"{type(e).__name__}: {text[:limit]}"
 
 
+def _module_name(name: str) -> str:
+    """The module verifiers imports for a taskset id (`owner/name@version` -> `name`, dashes as underscores)."""
+    return name.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
+
+
+def _names_module(name: str, missing: str) -> bool:
+    """Whether `missing` (a ModuleNotFoundError's name) is NAME's own module or its verifiers.v1.tasksets twin."""
+    module = _module_name(name)
+    return missing in (module, f"verifiers.v1.tasksets.{module}") or module.startswith(missing + ".")
+
+
 def _v0_module(name: str) -> bool:
     """NAME imports as a module with verifiers 0.3.x's entry point (`load_environment()`) and no v1 Taskset."""
     import importlib
 
     try:
-        module = importlib.import_module(name.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower())
+        module = importlib.import_module(_module_name(name))
     except Exception:  # noqa: BLE001 - only a hint for the error line
         return False
     return callable(getattr(module, "load_environment", None)) and not getattr(module, "__all__", None)
@@ -110,6 +121,10 @@ def _load(source: str, cfg_json: str):
     try:
         config = vf.resolve_env_config(json.loads(cfg_json))
     except ModuleNotFoundError as e:
+        cause = e.__cause__
+        if isinstance(cause, ModuleNotFoundError) and cause.name and not _names_module(name, cause.name):
+            # NAME was found, and a module it imports was not: say which (verifiers' line says NAME is missing)
+            raise UserError(f"--prompt-data {source}: importing {name} failed: {_one_line(cause)}") from None
         raise UserError(f"--prompt-data {source}: {' '.join(str(e).split())[:400]}") from None
     except (AttributeError, TypeError) as e:
         hint = (" (it looks like a verifiers v0 environment, 0.3.x's load_environment(): only the v1 API is "
@@ -117,6 +132,8 @@ def _load(source: str, cfg_json: str):
         raise UserError(f"--prompt-data {source}: not a verifiers v1 taskset: {_one_line(e)}{hint}") from None
     except ValueError as e:  # pydantic's ValidationError is one
         raise UserError(f"--prompt-data {source}: data.verifiers_env refused: {_one_line(e, 500)}") from None
+    except Exception as e:  # noqa: BLE001 - importing the environment's own code (a SyntaxError, an ImportError)
+        raise UserError(f"--prompt-data {source}: importing {name} failed: {_one_line(e)}") from None
     config = _local_runtimes(vf, source, config, json.loads(cfg_json))
     try:
         env = vf.load_environment(config)
@@ -192,7 +209,8 @@ def records(source: str, args: dict | None, size: int) -> list[dict[str, Any]]:
         meta = {"verifiers": {"env": env_name(source), "idx": task.data.idx, "key": task.key}}
         if task.data.id is not None:
             meta["verifiers"]["id"] = task.data.id
-        out.append({"input": prompt_of(task), "label": None, "metadata": meta})
+        label = task.data.id if task.data.id is not None else task.key  # the task's name; its data stays in verifiers'
+        out.append({"input": prompt_of(task), "label": label, "metadata": meta})
     if not out:
         raise UserError(f"--prompt-data {source}: the taskset holds no tasks")
     return out

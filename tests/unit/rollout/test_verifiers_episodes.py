@@ -1,0 +1,136 @@
+"""verifiers (v1) episodes as samples (tasks/rollout/agent/verifiers.py, tasks/environments/verifiers_env.py), on
+the real agent endpoint and a scripted engine, with verifiers 0.4.0 itself (its null harness's chat program, its
+interception server, the environment's MCP tool server: nothing of verifiers is mocked). The environment is
+tests/data/verifiers_envs/sw_add_v1, written here against verifiers' v1 API.
+
+Runs under .venv-verifiers (make test's verifiers pass): in .venv verifiers cannot be installed (openai pins)."""
+
+import asyncio
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("verifiers.v1", reason="verifiers runs under .venv-verifiers (make test's verifiers pass)")
+
+from agent_helpers import PARAMS, ScriptedEngine, check_tokens_match_engine  # noqa: E402
+from paths import DATA  # noqa: E402
+
+from sluiceway.infra.errors import UserError  # noqa: E402
+from sluiceway.tasks.environments import verifiers_env  # noqa: E402
+from sluiceway.tasks.rollout.agent.verifiers import VerifiersGenerate  # noqa: E402
+from sluiceway.tasks.rollout.multiturn import GenerateContext  # noqa: E402
+from sluiceway.tasks.rollout.rollout import PromptItem  # noqa: E402
+
+ENVS = DATA / "verifiers_envs"
+SRC = "verifiers:sw_add_v1"
+NULL = {"agent": {"harness": {"id": "null"}}}
+CALL = '<tool_call>{"name": "add_toolset_add", "arguments": {"a": 3, "b": 4}}</tool_call>'
+
+
+@pytest.fixture(autouse=True)
+def env_importable(monkeypatch):
+    """sw_add_v1 importable here and in the processes verifiers starts (its tool server: python -m ...)."""
+    monkeypatch.syspath_prepend(str(ENVS))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ENVS), *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
+def args(**task) -> dict:
+    return {"taskset": {"num_tasks": 2, "task": task}, **NULL}
+
+
+def episode(tok, texts, env_args, budget=200):
+    """One sample of task 0 through VerifiersGenerate: its TokenBuffer and the scripted engine."""
+    rec = verifiers_env.records(SRC, env_args, 1)[0]
+    engine = ScriptedEngine(tok, texts)
+    gen = VerifiersGenerate(SRC, env_args)
+    item = PromptItem("p0", rec["input"], tok.encode(rec["input"]), None, rec["metadata"], rec["input"])
+    ctx = GenerateContext(engine, tok, "run/0/0/0", budget, routing_key="run/0/0", max_prompt_len=400)
+    try:
+        return asyncio.run(gen(ctx, item, dict(PARAMS, max_new_tokens=budget))), engine
+    finally:
+        gen.close()
+
+
+def test_tasks_become_rows():
+    rows = verifiers_env.records(SRC, args(), 5)
+    assert len(rows) == 2  # the taskset's two tasks, though 5 were asked for
+    assert rows[1]["input"].startswith("What is 4 + 6?")
+    assert rows[1]["metadata"]["verifiers"]["idx"] == 1 and rows[1]["metadata"]["verifiers"]["id"] == "add-1"
+
+
+def test_an_episode_with_the_tool_is_two_turns_and_the_rubric_is_the_reward(tiny):
+    _, tok = tiny
+    res, engine = episode(tok, [CALL, "The answer is 7"], args())
+    assert res.abort_reason is None, res.abort_reason
+    assert res.turns == 2 and res.finish_reason == "stop"
+    spans = check_tokens_match_engine(res, engine)  # the engine's ids, mask 1; between turns the tool's, mask 0
+    assert "7" in tok.decode(spans[0]) and "tool" in tok.decode(spans[0])  # the tool server's answer, masked out
+    assert res.reward == pytest.approx(1.0 * 1.0 + 0.5 * 1.0)  # correct (weight 1) + used_tool (weight 0.5)
+    d = res.reward_details
+    assert d["source"] == "verifiers" and d["env"] == "sw_add_v1" and d["turns"] == 2
+    assert d["rewards"] == {"correct": {"score": 1.0, "weight": 1.0}, "used_tool": {"score": 1.0, "weight": 0.5}}
+    assert d["metrics"] == {"turns": 2.0}
+    assert res.row_metadata["verifiers"]["idx"] == 0 and res.row_metadata["verifiers"]["trace_id"] == d["trace_id"]
+
+
+def test_a_reward_that_is_not_a_number_fails_the_sample(tiny):
+    _, tok = tiny
+    res, _ = episode(tok, ["42"], args(reward_kind="text"))
+    assert res.finish_reason == "abort" and res.reward is None
+    assert res.abort_reason.startswith("the verifiers episode failed: TaskError:"), res.abort_reason
+    assert "\n" not in res.abort_reason
+
+
+def test_a_nan_reward_fails_the_sample(tiny):
+    _, tok = tiny
+    res, _ = episode(tok, ["42"], args(reward_kind="nan"))
+    assert res.finish_reason == "abort" and res.reward is None
+    assert res.abort_reason == "the verifiers reward 'correct' is a non-finite reward nan"
+
+
+def test_an_environment_that_raises_fails_the_sample(tiny):
+    _, tok = tiny
+    res, engine = episode(tok, ["42"], args(setup_raises=True))
+    assert res.finish_reason == "abort" and engine.calls == []
+    assert "the environment's setup failed on purpose" in res.abort_reason and "\n" not in res.abort_reason
+
+
+def test_an_environment_that_hangs_times_out(tiny):
+    _, tok = tiny
+    res, _ = episode(tok, ["42"], {**args(setup_sleep_s=600), "timeout": {"episode": 3}})
+    assert res.finish_reason == "abort"
+    assert res.abort_reason.startswith("the verifiers episode timed out:"), res.abort_reason
+
+
+def test_mistakes_are_one_line(tmp_path, monkeypatch):
+    with pytest.raises(UserError, match=r"verifiers:no_such_env_xyz: taskset 'no_such_env_xyz' not found") as e:
+        verifiers_env.load_env("verifiers:no_such_env_xyz", {})
+    assert "\n" not in str(e.value)
+    (tmp_path / "old_v0_env.py").write_text("def load_environment(**kwargs):\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UserError, match="v0 environment") as e:
+        verifiers_env.load_env("verifiers:old_v0_env", {})
+    assert "\n" not in str(e.value)
+    (tmp_path / "broken_env.py").write_text("import no_such_module_xyz\n")
+    with pytest.raises(UserError, match="no_such_module_xyz"):
+        verifiers_env.load_env("verifiers:broken_env", {})
+    with pytest.raises(UserError, match="remote sandbox"):
+        verifiers_env.load_env(SRC, {"agent": {"runtime": {"type": "prime"}}})
+    with pytest.raises(UserError, match="data.verifiers_env refused"):
+        verifiers_env.load_env(SRC, {"taskset": {"num_tasks": "many"}})
+
+
+def test_a_python_without_verifiers_v1_is_one_line(tmp_path):
+    """verifiers 0.3.x (no verifiers.v1): a stand-in package of that shape, in a fresh interpreter."""
+    fake = tmp_path / "verifiers"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("__version__ = '0.3.1'\n")
+    code = ("import sys; sys.path.insert(0, sys.argv[1])\n"
+            "from sluiceway.tasks.environments.verifiers_env import import_v1\n"
+            "import_v1('verifiers:x')\n")  # fmt: skip
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "verifiers 0.3.1 has no v1 API" in proc.stderr and "not the v0 API of 0.3.x" in proc.stderr
