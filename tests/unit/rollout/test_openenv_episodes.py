@@ -262,3 +262,33 @@ def test_preflight_refuses_what_an_openenv_source_cannot_be_combined_with(tmp_pa
     parser = RunConfig(**{**base, "data": {**base["data"], "openenv_action_parser": "nope.py:parse"}})
     with pytest.raises(UserError, match="--openenv-action-parser nope.py:parse: nope.py not found"):
         preflight(parser, "run")
+
+
+def test_a_served_environment_does_not_outlive_the_run(tmp_path):
+    """A run killed without stopping its servers (they run in sessions of their own) takes them with it."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from sluiceway.tasks.environments.openenv_servers import SERVE
+
+    parent = tmp_path / "parent.py"
+    parent.write_text(
+        "import subprocess, sys, os\n"
+        f"p = subprocess.Popen([{_python()!r}, {str(SERVE)!r}, 'serve', {GAME!r}, '2'], stdout=subprocess.PIPE,\n"
+        "                     text=True, start_new_session=True)\n"
+        "print(p.stdout.readline().strip(), p.pid, flush=True)\n"
+        "os._exit(0)\n"
+    )
+    out = subprocess.run([sys.executable, str(parent)], capture_output=True, text=True, timeout=120).stdout.split()
+    assert out[0] == "PORT", out
+    pid = int(out[-1])
+    end = time.monotonic() + 60  # a wait for it to happen, not a timing check
+    try:
+        while os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().split()[2]:
+            assert time.monotonic() < end, "the orphaned server is still serving"
+            time.sleep(0.1)
+    finally:
+        if os.path.exists(f"/proc/{pid}"):
+            os.kill(pid, 9)
