@@ -286,9 +286,17 @@ def test_a_served_environment_does_not_outlive_the_run(tmp_path):
     pid = int(out[-1])
     end = time.monotonic() + 60  # a wait for it to happen, not a timing check
     try:
-        while os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().split()[2]:
+        while _alive(pid):
             assert time.monotonic() < end, "the orphaned server is still serving"
             time.sleep(0.1)
     finally:
-        if os.path.exists(f"/proc/{pid}"):
+        if _alive(pid):
             os.kill(pid, 9)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except (FileNotFoundError, ProcessLookupError):
+        return False
