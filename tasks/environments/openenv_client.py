@@ -41,6 +41,10 @@ class CapacityReached(EnvironmentFailed):
     """The server holds as many sessions as it allows."""
 
 
+class AnswerTimeout(EnvironmentFailed):
+    """The server did not answer within the session's timeout (the environment hangs)."""
+
+
 @dataclass
 class StepResult:
     observation: dict
@@ -134,7 +138,7 @@ class OpenEnvSession:
             raw = await asyncio.wait_for(self._ws.recv(), self.timeout_s)
         except TimeoutError:
             await self._drop()
-            raise EnvironmentFailed(f"the environment did not answer {what} within {self.timeout_s:g} s") from None
+            raise AnswerTimeout(f"the environment did not answer {what} within {self.timeout_s:g} s") from None
         except ConnectionClosed as e:
             self._ws = None
             raise EnvironmentFailed(

@@ -45,6 +45,7 @@ from sluiceway.infra.errors import UserError
 from sluiceway.storage.trajectories import reward_problem
 from sluiceway.tasks.environments.openenv_client import (
     ActionRefused,
+    AnswerTimeout,
     CapacityReached,
     EnvironmentFailed,
     OpenEnvSession,
@@ -232,9 +233,8 @@ class OpenEnvEpisodes:
                     if d["done"] or not acted:
                         break
                     messages += new
-            except EnvironmentFailed as e:
-                if "did not answer" in str(e):
-                    self.servers.hung(url)
+            except AnswerTimeout:
+                self.servers.hung(url)
                 raise
             finally:
                 await env.close()
