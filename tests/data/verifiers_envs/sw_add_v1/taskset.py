@@ -11,7 +11,6 @@ class AddData(vf.TaskData):
 
 
 class AddTaskConfig(vf.TaskConfig):
-    tools: vf.ToolsetConfig = vf.ToolsetConfig()
     # What the rewards return: "number" (the default); "text" or "nan" make a broken environment for the tests.
     reward_kind: str = "number"
     # Seconds the task's setup sleeps: a hanging environment for the tests.
@@ -21,10 +20,6 @@ class AddTaskConfig(vf.TaskConfig):
 
 
 class AddTask(vf.Task[AddData, vf.State, AddTaskConfig]):
-    @classmethod
-    def toolsets(cls, config: AddTaskConfig) -> list[vf.Toolset]:
-        return [AddToolset(config.tools)]
-
     async def setup(self, trace, runtime) -> None:
         if self.config.setup_raises:
             raise RuntimeError("the environment's setup failed on purpose")
@@ -54,9 +49,14 @@ class AddTask(vf.Task[AddData, vf.State, AddTaskConfig]):
 class AddConfig(vf.TasksetConfig):
     num_tasks: int = 8
     task: AddTaskConfig = AddTaskConfig()
+    tools: vf.SharedToolsetConfig = vf.SharedToolsetConfig()
 
 
 class AddTaskset(vf.Taskset[AddTask, AddConfig]):
+    @classmethod
+    def toolsets(cls, config: AddConfig) -> list[vf.Toolset]:
+        return [AddToolset(config.tools)]
+
     def load(self) -> list[AddTask]:
         tasks = []
         for i in range(self.config.num_tasks):

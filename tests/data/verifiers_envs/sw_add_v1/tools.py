@@ -1,8 +1,9 @@
 import verifiers.v1 as vf
 
 
-class AddToolset(vf.Toolset[vf.ToolsetConfig]):
-    """The environment's one tool, run by verifiers as an MCP server (`python -m sw_add_v1.tools`)."""
+class AddToolset(vf.Toolset[vf.SharedToolsetConfig]):
+    """The environment's one tool, run by verifiers as an MCP server (`python -m sw_add_v1.tools`), one for the
+    taskset (`Taskset.toolsets`): started once, not per episode."""
 
     @vf.tool
     def add(self, a: int, b: int) -> str:
