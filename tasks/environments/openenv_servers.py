@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from sluiceway.infra.errors import UserError
@@ -113,9 +113,9 @@ class _Server:
     url: str
     capacity: int
     stderr_path: str
+    keep_log: bool = False
     active: int = 0
     retired: bool = False
-    reported: bool = field(default=False)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -132,15 +132,18 @@ class _Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        with contextlib.suppress(OSError):
-            os.unlink(self.stderr_path)
+        if not self.keep_log:
+            with contextlib.suppress(OSError):
+                os.unlink(self.stderr_path)
 
 
 class LocalServers:
     """openenv:MODULE:Class served on loopback (see the module docstring)."""
 
-    def __init__(self, target: str, python: str, max_sessions: int, concurrent: bool):
-        self.target, self.python = target, python
+    def __init__(self, target: str, python: str, max_sessions: int, concurrent: bool, log_dir: str | None = None):
+        """`log_dir`: where each server's stderr is kept (openenv-server-N.log); None: a temporary file, removed
+        with the server."""
+        self.target, self.python, self.log_dir = target, python, log_dir
         self.concurrent = concurrent
         self.max_sessions = max(1, max_sessions)
         self.max_servers = 1 if concurrent else min(self.max_sessions, MAX_SINGLE_SERVERS)
@@ -205,7 +208,12 @@ class LocalServers:
     def _start(self) -> _Server:
         from sluiceway.tasks.environments.openenv_client import EnvironmentFailed
 
-        fd, errpath = tempfile.mkstemp(prefix="sluiceway-openenv-", suffix=".log")
+        if self.log_dir:
+            os.makedirs(self.log_dir, exist_ok=True)
+            errpath = os.path.join(self.log_dir, f"openenv-server-{self.started + 1}.log")
+            fd = os.open(errpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        else:
+            fd, errpath = tempfile.mkstemp(prefix="sluiceway-openenv-", suffix=".log")
         with os.fdopen(fd, "wb") as err:
             proc = subprocess.Popen(
                 [self.python, str(SERVE), "serve", self.target, str(self.max_sessions)],
@@ -227,13 +235,15 @@ class LocalServers:
             parts = line.split()
             port, capacity = int(parts[1]), int(parts[3])
             threading.Thread(target=_drain, args=(proc.stdout,), daemon=True).start()
-            log.info(f"openenv:{self.target}: serving on 127.0.0.1:{port} (pid {proc.pid}, {capacity} session(s))")
-            return _Server(proc, f"http://127.0.0.1:{port}", capacity, errpath)
+            log.info(f"openenv:{self.target}: serving on 127.0.0.1:{port} (pid {proc.pid}, {capacity} session(s)"
+                     f"{', its stderr in ' + errpath if self.log_dir else ''})")  # fmt: skip
+            return _Server(proc, f"http://127.0.0.1:{port}", capacity, errpath, keep_log=bool(self.log_dir))
         proc.kill()
         proc.wait()
         why = line[len("ERROR ") :].strip() if line.startswith("ERROR ") else _tail(errpath) or "no answer"
-        with contextlib.suppress(OSError):
-            os.unlink(errpath)
+        if not self.log_dir:
+            with contextlib.suppress(OSError):
+                os.unlink(errpath)
         raise EnvironmentFailed(f"the server for {self.target} did not start: {why[:300]}")
 
     def close(self) -> None:
@@ -297,7 +307,13 @@ def openenv_generate(cfg):
     servers = (
         RemoteServer(target)
         if is_url(target)
-        else LocalServers(target, openenv_python(), sessions, bool(schema.get("concurrent")))
+        else LocalServers(
+            target,
+            openenv_python(),
+            sessions,
+            bool(schema.get("concurrent")),
+            log_dir=str(Path(cfg.storage.output_dir).expanduser() / "openenv"),
+        )
     )
     options = EpisodeOptions(
         action_parser=load_user_function(d.openenv_action_parser, "--openenv-action-parser"),

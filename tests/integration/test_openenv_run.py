@@ -101,6 +101,8 @@ def test_a_killed_environment_server_costs_its_samples_not_the_run(tmp_path):
     lost = [x for x in reasons if x and x.startswith("openenv: the environment server closed the connection")]
     assert lost, reasons
     assert len(lost) == 1, reasons  # the one session on the killed server
+    logs = sorted(p.name for p in (run_dir / "openenv").iterdir())  # each server's stderr, kept
+    assert len(logs) >= 3 and logs[0] == "openenv-server-1.log", logs  # two at once, the killed one replaced
     for step in (0, 1):  # the next sessions went to a new server: both steps trained
         assert len([r for r in rows_of(run_dir, step) if is_trainable(r)]) == 2
     m = read_metrics(ObjectStore.from_uri(str(run_dir / "tables")), "run").to_pylist()
