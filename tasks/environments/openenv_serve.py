@@ -7,8 +7,10 @@ openenv (the Makefile's .venv-openenv), never imported by the run (it imports no
 TARGET is `package.module:Class` or `path/to/file.py:Class`, an `openenv.core.env_server.Environment` subclass.
 Its action and observation models are read from its declaration, `class Game(Environment[GuessAction,
 GuessObservation, GameState])`, or else from `step`'s annotations (`def step(self, action: GuessAction) ->
-GuessObservation`). An environment that does not declare SUPPORTS_CONCURRENT_SESSIONS = True is served with one
-session (openenv refuses more); the run starts another server for each session it runs at once.
+GuessObservation`; of a Union, the member that is not an MCP model). TARGET may also name an app made with
+create_app (`server.app:app`): it is served as it is. An environment that does not declare
+SUPPORTS_CONCURRENT_SESSIONS = True is served with one session (openenv refuses more); the run starts another
+server for each session it runs at once.
 A mistake is one line, "ERROR <why>", on stdout, and exit status 2.
 """
 
@@ -62,6 +64,19 @@ def _is(x, base) -> bool:
     return inspect.isclass(x) and issubclass(x, base)
 
 
+def _pick(hint, base):
+    """`hint` if it is a `base` subclass; of a Union (`EchoAction | CallToolAction`), its first member that is one
+    and is not one of openenv's MCP models (an environment taking both serves its own model as the action)."""
+    from openenv.core.env_server import mcp_types
+
+    if _is(hint, base):
+        return hint
+    mcp = (mcp_types.ListToolsAction, mcp_types.CallToolAction, mcp_types.ListToolsObservation,
+           mcp_types.CallToolObservation)  # fmt: skip
+    members = [a for a in typing.get_args(hint) if _is(a, base)]
+    return next((a for a in members if a not in mcp), members[0] if members else None)
+
+
 def models_of(cls):
     """(action, observation, state) classes of an Environment subclass; state may be None."""
     from openenv.core.env_server.interfaces import Environment
@@ -88,8 +103,8 @@ def models_of(cls):
     except Exception:  # noqa: BLE001
         hints = {}
     params = list(inspect.signature(cls.step).parameters)
-    act = hints.get(params[1]) if len(params) > 1 else None
-    obs = hints.get("return")
+    act = _pick(hints.get(params[1]), Action) if len(params) > 1 else None
+    obs = _pick(hints.get("return"), Observation)
     if _is(act, Action) and _is(obs, Observation):
         return act, obs, None
     fail(
@@ -102,13 +117,14 @@ def main(argv: list[str]) -> None:
     if len(argv) < 2 or argv[0] not in ("serve", "check"):
         fail("usage: openenv_serve.py serve TARGET MAX_SESSIONS | check TARGET")
     cls = load_target(argv[1])
+    if not inspect.isclass(cls) and hasattr(cls, "router") and callable(cls):
+        return serve_app(argv, cls)
     act, obs, state = models_of(cls)
     concurrent = bool(getattr(cls, "SUPPORTS_CONCURRENT_SESSIONS", False))
     if argv[0] == "check":
         schema = {"action": act.model_json_schema(), "observation": obs.model_json_schema(), "concurrent": concurrent}
         print("SCHEMA " + json.dumps(schema), flush=True)
         return
-    import uvicorn
     from openenv.core.env_server.http_server import create_app
 
     os.environ["ENABLE_WEB_INTERFACE"] = "false"  # the plain API: no gradio UI
@@ -118,6 +134,26 @@ def main(argv: list[str]) -> None:
         app = create_app(cls, act, obs, env_name=cls.__name__, max_concurrent_envs=capacity, **kwargs)
     except Exception as e:  # noqa: BLE001
         fail(f"{argv[1]}: openenv's create_app raised {type(e).__name__}: {str(e)[:300]}")
+    _run(app, capacity)
+
+
+def serve_app(argv: list[str], app) -> None:
+    """TARGET names an app its author built with create_app (`server.app:app`): served as it is, with the models
+    and the session limit it was made with (CAPACITY 0: unknown to the run, which waits when it is reached)."""
+    if argv[0] == "check":
+        from fastapi.testclient import TestClient
+
+        r = TestClient(app).get("/schema")
+        if r.status_code != 200 or not isinstance(r.json().get("action"), dict):
+            fail(f"{argv[1]}: an app without OpenEnv's /schema (answered {r.status_code}): is it made by create_app?")
+        print("SCHEMA " + json.dumps({**r.json(), "concurrent": None, "app": True}), flush=True)
+        return
+    _run(app, 0)
+
+
+def _run(app, capacity: int) -> None:
+    import uvicorn
+
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

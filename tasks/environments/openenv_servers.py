@@ -140,13 +140,18 @@ class _Server:
 class LocalServers:
     """openenv:MODULE:Class served on loopback (see the module docstring)."""
 
-    def __init__(self, target: str, python: str, max_sessions: int, concurrent: bool, log_dir: str | None = None):
+    def __init__(
+        self, target: str, python: str, max_sessions: int, concurrent: bool | None, log_dir: str | None = None
+    ):
         """`log_dir`: where each server's stderr is kept (openenv-server-N.log); None: a temporary file, removed
         with the server."""
         self.target, self.python, self.log_dir = target, python, log_dir
         self.concurrent = concurrent
         self.max_sessions = max(1, max_sessions)
-        self.max_servers = 1 if concurrent else min(self.max_sessions, MAX_SINGLE_SERVERS)
+        self.max_servers = 1 if concurrent or concurrent is None else min(self.max_sessions, MAX_SINGLE_SERVERS)
+        # An app served as it is (concurrent None) holds what its author allowed: a session refused for capacity
+        # waits for a place, as with a running server.
+        self.wait_s = 600.0 if concurrent is None else 0.0
         self._servers: list[_Server] = []
         self._starting = 0
         self._lock = threading.Lock()
@@ -233,7 +238,7 @@ class LocalServers:
                 break
         if line.startswith("PORT "):
             parts = line.split()
-            port, capacity = int(parts[1]), int(parts[3])
+            port, capacity = int(parts[1]), int(parts[3]) or self.max_sessions
             threading.Thread(target=_drain, args=(proc.stdout,), daemon=True).start()
             log.info(f"openenv:{self.target}: serving on 127.0.0.1:{port} (pid {proc.pid}, {capacity} session(s)"
                      f"{', its stderr in ' + errpath if self.log_dir else ''})")  # fmt: skip
@@ -311,7 +316,7 @@ def openenv_generate(cfg):
             target,
             openenv_python(),
             sessions,
-            bool(schema.get("concurrent")),
+            None if schema.get("app") else bool(schema.get("concurrent")),
             log_dir=str(Path(cfg.storage.output_dir).expanduser() / "openenv"),
         )
     )

@@ -13,7 +13,9 @@ import os
 import random
 import time
 
+from openenv.core.env_server.http_server import create_app
 from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservation
 from openenv.core.env_server.types import Action, Observation, State
 from pydantic import Field
 
@@ -86,3 +88,30 @@ class SoloGuessGame(GuessGame):
     """The same game, not declared safe for concurrent sessions: openenv serves it one session per server."""
 
     SUPPORTS_CONCURRENT_SESSIONS = False
+
+
+class UnionGuessGame(Environment):
+    """The game as OpenEnv's echo_env declares itself: a plain Environment whose step takes a Union of its own model
+    and the MCP ones."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def __init__(self):
+        super().__init__()
+        self._game = GuessGame()
+
+    def reset(self, seed=None, episode_id=None, **kwargs) -> GuessObservation:
+        return self._game.reset(seed=seed, episode_id=episode_id)
+
+    def step(
+        self, action: GuessAction | CallToolAction, timeout_s=None, **kwargs
+    ) -> GuessObservation | CallToolObservation:
+        return self._game.step(action)
+
+    @property
+    def state(self) -> GuessState:
+        return self._game.state
+
+
+# An app as `openenv init` writes one (server/app.py): made by create_app, one session at a time.
+app = create_app(GuessGame, GuessAction, GuessObservation, env_name="guess", max_concurrent_envs=1)

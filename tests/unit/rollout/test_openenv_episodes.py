@@ -300,3 +300,27 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+def test_a_union_annotated_class_and_an_app_made_by_create_app(tiny):
+    """echo_env's form (a plain Environment, step taking EchoAction | CallToolAction) serves its own model; an app
+    (server.app:app, made with create_app and one session) is served as it is, and a second episode waits for it."""
+    _, tok = tiny
+    union = check_openenv_source(f"openenv:{DATA / 'openenv_guess.py'}:UnionGuessGame")
+    assert union["action"]["title"] == "GuessAction" and union["concurrent"] is True
+    target = f"{DATA / 'openenv_guess.py'}:app"
+    schema = check_openenv_source(f"openenv:{target}")
+    assert schema["action"]["title"] == "GuessAction" and schema["app"] is True
+    servers = LocalServers(target, _python(), 4, concurrent=None)
+    gen = OpenEnvGenerate(servers, schema["action"], EpisodeOptions())
+    engine = ScriptedEngine(tok, [call(secret(7))], delay_s=0.3)
+
+    async def two():
+        return await asyncio.gather(play(tok, gen, engine, rid="run/0/0/0"), play(tok, gen, engine, rid="run/0/0/1"))
+
+    try:
+        results = asyncio.run(two())
+    finally:
+        gen.close()
+    assert [(r.abort_reason, r.reward) for r in results] == [(None, 1.0), (None, 1.0)]
+    assert servers.started == 1
