@@ -12,7 +12,8 @@ Routes, under a session's prefix `/sessions/SID` or the root (then the key alone
 Every session has its own key (`Authorization: Bearer KEY` or `x-api-key: KEY`), made when it opens and dropped
 when it closes; a key opens its own session's routes and no other: another session's id in the path (or in an
 `X-Session-Id` header, which may also carry a name the session registered: `AgentSession.aliases`) is a 404, an
-unknown key a 401. There is no run-wide key.
+unknown key a 401. There is no run-wide key handed to agents; a gateway key (`gateway_key`, held by the run's own
+verifiers client) opens only the sessions that registered an alias for it, each named by that alias in the header.
 
 What the endpoint holds is bounded, whoever connects (issue 40): at most `max_connections` open connections (a
 quarter of the process's file-handle limit, at most 1024); a connection with no request in flight (a fresh one
@@ -289,6 +290,11 @@ class AgentProxy:
         self.connections = _Connections(self.max_connections, idle_timeout_s, self._report)
         self.sessions: dict[str, AgentSession] = {}
         self._by_key: dict[bytes, AgentSession] = {}  # sha256(key) -> session
+        # A client that serves many sessions and names each in an X-Session-Id header (verifiers' relay, one per
+        # run: tasks/rollout/agent/verifiers.py) holds a gateway key: it opens only the sessions that registered
+        # an alias for it, each by that alias. It is the run's own (never handed to model-driven code).
+        self._gateways: set[bytes] = set()
+        self._by_alias: dict[str, AgentSession] = {}
         self.port: int | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._started = threading.Event()
@@ -317,10 +323,35 @@ class AgentProxy:
         s.closed = True
         self.sessions.pop(s.sid, None)
         self._by_key.pop(_digest(s.key), None)
+        for name in s.aliases:
+            if self._by_alias.get(name) is s:
+                del self._by_alias[name]
+
+    def gateway_key(self) -> str:
+        """A new gateway key (see __init__): it opens a session only by an alias the session registered with
+        `alias(s, name, gateway)`."""
+        key = KEY_PREFIX + "gw-" + secrets.token_urlsafe(32)
+        self._gateways.add(_digest(key))
+        return key
+
+    def drop_gateway(self, key: str) -> None:
+        self._gateways.discard(_digest(key))
+
+    def alias(self, s: AgentSession, name: str, gateway: str | None = None) -> None:
+        """Another name for `s` in an X-Session-Id header, with its own key or (given) the gateway key."""
+        s.aliases.add(name)
+        if gateway is not None:
+            s.gateway = _digest(gateway)
+            self._by_alias[name] = s
 
     def session_for(self, key: str, sid: str | None, header_sid: str | None) -> AgentSession:
         """The session a key opens; SessionError 401 for no or an unknown key, 404 when the path or the header
         names another session."""
+        if key and _digest(key) in self._gateways:
+            s = self._by_alias.get(header_sid) if header_sid else None
+            if s is None or s.gateway != _digest(key) or (sid is not None and sid != s.sid):
+                raise SessionError(f"unknown session {header_sid or sid}", 404)
+            return s
         s = self._by_key.get(_digest(key)) if key else None
         if s is None or not secrets.compare_digest(s.key.encode(), key.encode()):
             raise SessionError("invalid API key: use the key your session was given", 401)

@@ -73,6 +73,7 @@ class AgentSession:
     # Other names an `X-Session-Id` header may give this session: a client that sends its own id there (verifiers
     # sends its trace's id, tasks/rollout/agent/verifiers.py) registers it; any other id is still a 404.
     aliases: set[str] = field(default_factory=set)
+    gateway: bytes | None = None  # sha256 of the gateway key that may open it by an alias (server.py)
     ctx_prompt_ids: list[int] = field(default_factory=list)
     buf: TokenBuffer | None = None
     prompt_text: str = ""

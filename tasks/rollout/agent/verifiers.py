@@ -1,14 +1,15 @@
 """A verifiers (v1) environment's episodes as rollouts: `--prompt-data verifiers:NAME`.
 
-For each sample the run opens an agent session (server.py) and runs the environment's `run_episode(task, ctx)`
-with a model context whose client is the session: verifiers' eval client (`EvalClientConfig`) relays each model
-call of its harness to `{base_url}/chat/completions` (or the Responses or Messages route), so the session records
-the engine's tokens and log-probs turn by turn exactly as for an agent function (docs/agents.md), never
-verifiers' own re-tokenising. verifiers names the rollout in an `X-Session-ID` header (its trace's id): the
-trace is registered as the session's alias when verifiers mints it, before its first model call. The session's
-key reaches verifiers' client through an environment variable named for the session (`SLUICEWAY_VF_API_KEY_<sid>`,
-set for the episode only; verifiers' subprocess runtime passes no variable whose name holds API_KEY to the
-harness's processes).
+For each sample the run opens an agent session (server.py) and runs the environment's `run_episode(task, ctx)`;
+verifiers' eval client (`EvalClientConfig`) relays each model call of its harness to the endpoint's chat
+completions (or Responses, or Messages) route, so the session records the engine's tokens and log-probs turn by
+turn exactly as for an agent function (docs/agents.md), never verifiers' own re-tokenising. verifiers names the
+rollout in an `X-Session-ID` header (its trace's id): when verifiers mints the trace, before its first model call,
+the id is registered as the session's alias, and that header is what routes each call to its session. The client
+config is the run's one (the endpoint's root URL and a gateway key that opens only sessions registered for it,
+each by its alias): verifiers keeps a client per distinct config until it stops, one per session would pile up.
+The key reaches verifiers' client through SLUICEWAY_VERIFIERS_API_KEY in the run's environment, which neither the
+run's child processes nor verifiers' subprocess runtime pass on (no variable whose name holds API_KEY is).
 
 The row: the session's tokens (mask 1 the model's, 0 the rest), reward the trace's (its rubric's weighted sum,
 `Trace.reward`), `reward_details` `{"source": "verifiers", "rewards": {name: {"score", "weight"}}, "metrics"}`
@@ -34,7 +35,7 @@ from sluiceway.tasks.rollout.agent.server import AgentProxy, one_line
 from sluiceway.tasks.rollout.agent.session import DROPPED, AgentSession
 from sluiceway.tasks.rollout.multiturn import GenerateContext, TokenBuffer
 
-KEY_VAR = "SLUICEWAY_VF_API_KEY_"  # + the session id: the variable verifiers' client reads the session's key from
+KEY_VAR = "SLUICEWAY_VERIFIERS_API_KEY"  # the variable verifiers' client reads the run's gateway key from
 MODEL = "policy"
 
 
@@ -115,6 +116,9 @@ class VerifiersGenerate(AgentGenerate):
         self._ready: asyncio.Event | None = None
         self._stop: asyncio.Event | None = None
         self._serve_error: BaseException | None = None
+        self._ctx = None  # the run's model context, for the endpoint's current port (_context)
+        self._ctx_port: int | None = None
+        self._gateway: str | None = None
 
     # -------------------------------------------------------------------------------- the environment
     def task_for(self, prompt) -> Any:
@@ -154,17 +158,28 @@ class VerifiersGenerate(AgentGenerate):
             e = self._serve_error
             raise RuntimeError(f"starting the environment's servers failed: {type(e).__name__}: {one_line(e, 200)}")
 
-    async def _episode(self, s: AgentSession, task) -> Any:
+    def _context(self):
+        """The run's one model context: verifiers' eval client on the endpoint's root with the gateway key, so
+        verifiers keeps one HTTP client for the run (it keeps one per distinct client config until it stops)."""
         import verifiers.v1 as vf
 
+        p = self.endpoint
+        if self._ctx is None or self._ctx_port != p.port:
+            if self._gateway is not None:
+                p.drop_gateway(self._gateway)
+            self._gateway = p.gateway_key()
+            os.environ[KEY_VAR] = self._gateway  # child_env and verifiers' runtimes pass no *API_KEY* variable on
+            self._ctx = vf.ModelContext(model=MODEL, client=vf.EvalClientConfig(base_url=f"{p.url}/v1",
+                                                                                api_key_var=KEY_VAR))  # fmt: skip
+            self._ctx_port = p.port
+        return self._ctx
+
+    async def _episode(self, s: AgentSession, task) -> Any:
         await self._ensure_serving()
-        var = KEY_VAR + s.sid
-        os.environ[var] = s.key
-        ctx = vf.ModelContext(model=MODEL, client=vf.EvalClientConfig(base_url=self.endpoint.base_url(s.sid),
-                                                                      api_key_var=var))  # fmt: skip
+        ctx, gateway = self._context(), self._gateway
 
         def minted(trace) -> None:  # before the trace's first model call: its id names the session
-            s.aliases.add(trace.id)
+            self.endpoint.alias(s, trace.id, gateway)
 
         try:
             return await self.env.run_episode(task, ctx, on_trace=minted)
@@ -172,8 +187,6 @@ class VerifiersGenerate(AgentGenerate):
             raise
         except BaseException as e:  # a SystemExit from the environment's code must not end the endpoint's loop
             raise RuntimeError(f"{type(e).__name__}: {e}") from None
-        finally:
-            os.environ.pop(var, None)
 
     def close(self) -> None:
         loop, stop = self.endpoint.loop, self._stop
@@ -188,6 +201,10 @@ class VerifiersGenerate(AgentGenerate):
             except Exception:  # noqa: BLE001 - closing: the loop stops next
                 pass
         self._serving = None
+        if self._gateway is not None:
+            self.endpoint.drop_gateway(self._gateway)
+            self._gateway = self._ctx = None
+            os.environ.pop(KEY_VAR, None)
         super().close()
 
     # -------------------------------------------------------------------------------- one sample
