@@ -5,7 +5,8 @@ each wrong one. Reward 1.0 for the right guess, else 0.0 each step.
 For the failure tests, files named by environment variables make the server misbehave once:
 GUESS_DIE_ONCE=path: the first step of the server process that creates `path` ends the process (os._exit);
 GUESS_HANG_ONCE=path: likewise, that step never answers; GUESS_HUGE_ONCE=path: likewise, that step's reward
-is 1e300 (beyond float32). Checked in this order, each only once the one before has happened.
+is 1e300 (beyond float32); GUESS_RAISE_ONCE=path: that step raises. Checked in this order, each only once the
+one before has happened.
 GUESS_KILLME_ONCE=path: the first step writes the server's pid to `path` and waits (for a test to SIGKILL it).
 """
 
@@ -72,6 +73,8 @@ class GuessGame(Environment[GuessAction, GuessObservation, GuessState]):
         s.step_count += 1
         s.tries_left -= 1
         huge = _once("GUESS_HUGE_ONCE")
+        if not huge and _once("GUESS_RAISE_ONCE"):
+            raise RuntimeError("the game broke")
         if action.number == s.secret:
             return GuessObservation(message="Right!", done=True, reward=1e300 if huge else 1.0)
         hint = "higher" if action.number < s.secret else "lower"

@@ -163,22 +163,23 @@ def test_parsed_actions_with_a_user_parser(tiny, game):
     assert "<tools>" not in res.prompt_text  # no tool offered
 
 
-def test_a_dying_hanging_or_badly_rewarding_environment_fails_its_sample_and_the_next_gets_a_new_server(
+def test_a_dying_hanging_raising_or_badly_rewarding_environment_fails_its_sample_and_the_next_gets_a_new_server(
     tiny, tmp_path, monkeypatch
 ):
     _, tok = tiny
-    for name in ("DIE", "HANG", "HUGE"):
+    for name in ("DIE", "HANG", "HUGE", "RAISE"):
         monkeypatch.setenv(f"GUESS_{name}_ONCE", str(tmp_path / name))
     servers = LocalServers(GAME, _python(), 4, concurrent=True)
     try:
         reasons = []
-        for _ in range(3):
+        for _ in range(4):
             res, _ = run_episode(tok, servers, [call(1)], timeout_s=3)
             assert res.finish_reason == "abort" and res.reward is None
             reasons.append(res.abort_reason)
         assert "openenv: the environment server closed the connection during step 1" in reasons[0]
         assert "openenv: the environment did not answer step 1 within 3 s" in reasons[1]
         assert "openenv: the environment's reward at step 1 is a reward 1e+300 beyond float32's range" in reasons[2]
+        assert reasons[3] == "openenv: the environment answered step 1 with an error (EXECUTION_ERROR): the game broke"
         res, _ = run_episode(tok, servers, [call(secret(7))])
         assert res.abort_reason is None and res.reward == 1.0
         assert servers.started == 3  # died: replaced; hung: retired and replaced; the third served both after
