@@ -203,6 +203,10 @@ def render(args, run: dict, tk: dict, note: str) -> str:
     srv = {k: med(v) for k, v in tk["server"].items()}
     get = lambda kind: srv.get(kind, float("nan"))  # noqa: E731
     n = args.prompts * args.samples
+    run_tokens = args.prompts * med(run["prompt_tokens"]) + n * statistics.mean(run["response_tokens"])
+    widths = [max(p + r - 1 for p, r in zip([p for p in s["prompt_tokens"] for _ in range(args.samples)],
+                                            s["response_tokens"])) for s in tk["steps"]]  # fmt: skip
+    tinker_tokens = n * med(widths)
     from sluiceway.flows.tinker.sampler import Samplers
 
     engine_rows = Samplers().max_running
@@ -250,6 +254,10 @@ def render(args, run: dict, tk: dict, note: str) -> str:
         f"{-(-n // engine_rows)} waves where `sluiceway run`'s engine takes the whole step at once; besides, each "
         "request is its own HTTP round trips (the SDK's `asample`, then `retrieve_future` polls) and its rows' group "
         "commit on the store.",
+        f"Where the training time goes: `sluiceway run`'s trainer lays a prompt's samples in one row with the prompt "
+        f"once (`share_prompts`, on by default: about {run_tokens:.0f} token positions a step), while the Tinker "
+        f"server gives every datum a row of its own, padded to the longest ({tinker_tokens:.0f} positions a step): "
+        "the API hands over finished sequences, and the server does not look for their shared prefixes.",
         f"Wall time: `sluiceway run` {run['wall']:.0f} s for {args.steps} steps (its engine, trainer and Prefect "
         f"set-up included); Tinker {tk['wall']:.0f} s (the server's start {tk['start_s']:.0f} s included).", "",
     ])  # fmt: skip
