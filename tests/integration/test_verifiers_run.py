@@ -1,6 +1,6 @@
 """Issue 43: a verifiers (v1) environment trains unchanged. tests/data/verifiers_envs/sw_add_v1 (written here
 against verifiers 0.4.0's API: a taskset, a rubric of two weighted rewards and a metric, one MCP tool) played by
-verifiers' own null harness, two steps of 2 prompts x 2 samples on tiny-llama through `sluiceway run
+verifiers' own null harness, two steps of 1 prompt x 2 samples on tiny-llama through `sluiceway run
 --prompt-data verifiers:sw_add_v1`. Every row is trained, its tokens turn by turn what the engine took in and gave
 out (its request log), its reward the trace's weighted sum with the per-function scores beside it.
 
@@ -31,8 +31,8 @@ def test_a_verifiers_environment_trains_two_steps_with_the_engines_tokens(tmp_pa
     pythonpath = os.pathsep.join([str(ENVS), *filter(None, [os.environ.get("PYTHONPATH")])])
     run_cli(run_dir, cache, "--num-rollout", "2", "--prompt-data", "verifiers:sw_add_v1",
             "--verifiers-env", json.dumps(env_args), "--rollout-max-response-len", "48",
-            "--rollout-max-prompt-len", "384", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-            "--global-batch-size", "4", "--micro-batch-size", "4",
+            "--rollout-max-prompt-len", "384", "--rollout-batch-size", "1", "--n-samples-per-prompt", "2",
+            "--global-batch-size", "2", "--micro-batch-size", "2",
             env={"SLUICEWAY_ENGINE_REQUEST_LOG": str(log), "PYTHONPATH": pythonpath})  # fmt: skip
     engine_log = {}
     for line in log.read_text().splitlines():
@@ -41,7 +41,7 @@ def test_a_verifiers_environment_trains_two_steps_with_the_engines_tokens(tmp_pa
     store = ObjectStore.from_uri(str(run_dir / "tables"))
     for step in (0, 1):
         rows = read_trajectories(store, "run", step).to_pylist()
-        assert len(rows) == 4 and all(is_trainable(r) for r in rows), [r["metadata"] for r in rows]
+        assert len(rows) == 2 and all(is_trainable(r) for r in rows), [r["metadata"] for r in rows]
         for r in rows:
             d = json.loads(r["reward_details"])
             assert d["source"] == "verifiers" and d["env"] == "sw_add_v1", d
