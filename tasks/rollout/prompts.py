@@ -117,7 +117,7 @@ def build_rollout_settings(cfg: RunConfig, tokenizer, hf_dir: Path, slime_args=N
         custom_generate=load_generate(cfg, hf_dir, slime_args) if r.custom_generate_function_path
         else AgentGenerate(load_agent_function(r.agent_function_path)) if r.agent_function_path
         else openenv_generate(cfg) if (cfg.data.prompt_data or "").startswith("openenv:")
-        else VerifiersGenerate(cfg.data.prompt_data, cfg.data.verifiers_env)
+        else VerifiersGenerate(cfg.data.prompt_data, cfg.data.verifiers_env, cfg.data.env_size)
         if (cfg.data.prompt_data or "").startswith("verifiers:")
         else None, tokenizer=tokenizer, max_prompt_len=r.rollout_max_prompt_len,
     )  # fmt: skip

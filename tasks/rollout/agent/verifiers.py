@@ -105,9 +105,12 @@ class VerifiersGenerate(AgentGenerate):
     """A custom generate function (tasks/rollout/multiturn.py) running one episode of a verifiers environment per
     sample on an agent session of the run's endpoint (see module doc)."""
 
-    def __init__(self, source: str, args: dict | None, tokenizer=None, endpoint: AgentProxy | None = None):
+    def __init__(self, source: str, args: dict | None, size: int | None = None, tokenizer=None,
+                 endpoint: AgentProxy | None = None):  # fmt: skip
+        """`size`: how many of the taskset's tasks the dataset holds (data.env_size): read in one pass."""
         super().__init__(fn=None, tokenizer=tokenizer, endpoint=endpoint)
         self.source = source
+        self.size = size
         self.name = verifiers_env.env_name(source)
         self.args = args
         self.env = verifiers_env.load_env(source, args)  # a mistake is a UserError here, before engines start
@@ -126,8 +129,8 @@ class VerifiersGenerate(AgentGenerate):
         idx = meta.get("idx")
         if not isinstance(idx, int):
             raise ValueError(f"prompt {prompt.prompt_id} names no verifiers task (metadata.verifiers.idx)")
-        if idx not in self._tasks:
-            for task in verifiers_env.tasks(self.env, idx + 1):
+        if idx not in self._tasks:  # the taskset's load() once for the dataset's tasks (it may read a dataset)
+            for task in verifiers_env.tasks(self.env, max(idx + 1, self.size or 0)):
                 self._tasks.setdefault(task.data.idx, task)
         task = self._tasks.get(idx)
         if task is None:
