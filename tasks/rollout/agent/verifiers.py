@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
+import re
 from typing import Any
 
 from sluiceway.storage.trajectories import reward_problem
@@ -35,6 +37,8 @@ from sluiceway.tasks.rollout.agent.server import AgentProxy, one_line
 from sluiceway.tasks.rollout.agent.session import DROPPED, AgentSession
 from sluiceway.tasks.rollout.multiturn import GenerateContext, TokenBuffer
 
+log = logging.getLogger("sluiceway")
+_RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Timeout|Interrupt)\w*(:|$)")
 KEY_VAR = "SLUICEWAY_VERIFIERS_API_KEY"  # the variable verifiers' client reads the run's gateway key from
 MODEL = "policy"
 
@@ -52,6 +56,17 @@ def _errors(episode) -> list:
     for t in episode.traces:
         out += list(t.errors)
     return out
+
+
+def _message(text: str) -> str:
+    """An error's message on one line: a harness's (its stderr's tail, a traceback) as its first line and its
+    last (the exception)."""
+    lines = [line.strip(" |+-") for line in str(text).splitlines()]
+    lines = [line for line in lines if line]
+    if len(lines) > 2:
+        raised = [line for line in lines if _RAISED.match(line)]  # an exception's line (an ExceptionGroup's too)
+        return f"{one_line(lines[0], 150)} ... {one_line((raised or lines)[-1], 200)}"
+    return one_line(" ".join(lines), 300)
 
 
 def judge_episode(episode, session_turns: int) -> tuple[float | None, str | None, dict]:
@@ -75,7 +90,7 @@ def judge_episode(episode, session_turns: int) -> tuple[float | None, str | None
         e = errors[0]
         timed_out = episode.is_timeout or any(t.is_timeout for t in traces)
         what = "timed out" if timed_out else "failed"
-        return None, f"the verifiers episode {what}: {e.type}: {one_line(e.message, 300)}", info
+        return None, f"the verifiers episode {what}: {e.type}: {_message(e.message)}", info
     if len(traces) != 1:
         return None, (f"the verifiers episode has {len(traces)} traces; one agent's trace per episode is supported "
                       "(multi-agent environments are not)"), info  # fmt: skip
@@ -151,6 +166,33 @@ class VerifiersGenerate(AgentGenerate):
         finally:
             self._ready.set()
 
+    async def _servers_alive(self) -> bool:
+        """Whether the taskset's shared tool servers (started by `serving`) still accept connections."""
+        from urllib.parse import urlsplit
+
+        for server in (getattr(self.env, "_shared_tools", None) or {}).values():
+            if getattr(server, "external", False):
+                continue  # a config-url server: not the run's to restart
+            u = urlsplit(server.url)
+            try:
+                _, writer = await asyncio.wait_for(asyncio.open_connection(u.hostname, u.port or 80), 5)
+                writer.close()
+            except (OSError, TimeoutError):
+                return False
+        return True
+
+    async def _restart_if_dead(self) -> None:
+        """After a failed episode: a shared tool server that died is started again (all of `serving`) for the
+        next samples; the samples in flight with the dead one fail with their reasons."""
+        serving = self._serving
+        if serving is None or serving.done() or self._stop.is_set() or await self._servers_alive():
+            return
+        log.warning("verifiers %s: a shared tool server is down; the environment's servers start again", self.name)
+        self._stop.set()
+        await asyncio.wait({serving}, timeout=30)
+        if self._serving is serving:
+            self._serving = None
+
     async def _ensure_serving(self) -> None:
         """verifiers' serving resources, started once on the endpoint's loop (this coroutine runs there)."""
         if self._serving is None or self._serving.done():
@@ -185,11 +227,17 @@ class VerifiersGenerate(AgentGenerate):
             self.endpoint.alias(s, trace.id, gateway)
 
         try:
-            return await self.env.run_episode(task, ctx, on_trace=minted)
-        except (Exception, asyncio.CancelledError):
+            episode = await self.env.run_episode(task, ctx, on_trace=minted)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            await self._restart_if_dead()
             raise
         except BaseException as e:  # a SystemExit from the environment's code must not end the endpoint's loop
             raise RuntimeError(f"{type(e).__name__}: {e}") from None
+        if _errors(episode):
+            await self._restart_if_dead()
+        return episode
 
     def close(self) -> None:
         loop, stop = self.endpoint.loop, self._stop

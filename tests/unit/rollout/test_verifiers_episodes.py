@@ -134,3 +134,46 @@ def test_a_python_without_verifiers_v1_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "verifiers 0.3.1 has no v1 API" in proc.stderr and "not the v0 API of 0.3.x" in proc.stderr
+
+
+def test_a_killed_tool_server_costs_its_samples_and_is_started_again(tiny):
+    """The taskset's shared MCP server is SIGKILLed between two samples: the next sample fails with its reason, the
+    environment's servers start again, and the sample after it is played as the first was."""
+    import signal
+
+    psutil = pytest.importorskip("psutil")
+    _, tok = tiny
+    env_args = args()
+    rec = verifiers_env.records(SRC, env_args, 1)[0]
+    engine = ScriptedEngine(tok, ["The answer is 7"])
+    gen = VerifiersGenerate(SRC, env_args)
+    item = PromptItem("p0", rec["input"], tok.encode(rec["input"]), None, rec["metadata"], rec["input"])
+
+    def tool_servers():
+        return [p for p in psutil.Process().children(recursive=True) if "sw_add_v1.tools" in " ".join(p.cmdline())]
+
+    async def sample(i):
+        ctx = GenerateContext(engine, tok, f"run/0/0/{i}", 200, routing_key="run/0/0", max_prompt_len=400)
+        return await gen(ctx, item, dict(PARAMS))
+
+    killed = []
+
+    async def main():
+        first = await sample(0)
+        (server,) = tool_servers()
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait(10)
+        killed.append(server.pid)
+        second = await sample(1)
+        third = await sample(2)
+        return first, second, third, tool_servers()
+
+    try:
+        first, second, third, servers = asyncio.run(main())
+    finally:
+        gen.close()
+    assert first.abort_reason is None and first.reward == pytest.approx(1.0), first.abort_reason
+    assert second.finish_reason == "abort" and second.abort_reason.startswith("the verifiers episode failed:")
+    assert "\n" not in second.abort_reason and len(second.abort_reason) < 500
+    assert third.abort_reason is None and third.reward == pytest.approx(1.0), third.abort_reason
+    assert len(servers) == 1 and servers[0].pid not in killed
