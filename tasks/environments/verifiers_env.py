@@ -256,9 +256,6 @@ def unmet_requirements(requirements: list[str]) -> list[str]:
     return unmet
 
 
-_patched = False
-
-
 def use_local_python_for_scripts() -> None:
     """verifiers' harnesses (its `null` and `bash` chat loops among them) run their agent program as a PEP 723
     script prepared by `uv sync --script`, which installs uv and the script's dependencies from the package index
@@ -266,12 +263,11 @@ def use_local_python_for_scripts() -> None:
     (the `verifiers` extra installs them: openai, mcp, httpx, ...) runs with this Python instead: it is written to
     the path verifiers would use and registered as prepared, so no uv and no network. Any other script goes the
     way verifiers takes it."""
-    global _patched
-    if _patched:
-        return
     from verifiers.v1.runtimes.subprocess import SubprocessRuntime
 
     original = SubprocessRuntime.prepare_uv_script
+    if getattr(original, "sluiceway_local_python", False):  # wrapped once per process (the mark is on the class)
+        return
 
     async def prepare_uv_script(self, script, env=None, *, activate: bool = True):
         text = script.decode() if isinstance(script, bytes) else script
@@ -289,5 +285,5 @@ def use_local_python_for_scripts() -> None:
                 self._uv_interpreters[path] = sys.executable
         return await original(self, script, env, activate=activate)
 
+    prepare_uv_script.sluiceway_local_python = True
     SubprocessRuntime.prepare_uv_script = prepare_uv_script
-    _patched = True
