@@ -44,15 +44,19 @@ def first_sentence(text: str | None) -> str | None:
     return text
 
 
-def add_field_arguments(parser: argparse.ArgumentParser, listed: tuple[str, ...] = PARTS) -> None:
-    """A flag per config field, in a help group per part; the parts not `listed` are accepted but not shown."""
+def add_field_arguments(
+    parser: argparse.ArgumentParser, listed: tuple[str, ...] = PARTS, source_options: bool = True
+) -> None:
+    """A flag per config field, in a help group per part; the parts not `listed` are accepted but not shown, and
+    without `source_options` neither are the options of one prompt source (json_schema_extra source_option)."""
     for part, info in RunConfig.model_fields.items():
         section = parser.add_argument_group(part)
         for name, f in info.annotation.model_fields.items():
             ann = f.annotation
             inner = [a for a in get_args(ann) if a is not type(None)] if isinstance(ann, types.UnionType) else [ann]
-            slime_hook = isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("slime_hook")
-            shown = first_sentence(f.description) if part in listed and not slime_hook else argparse.SUPPRESS
+            extra = f.json_schema_extra if isinstance(f.json_schema_extra, dict) else {}
+            unlisted = extra.get("slime_hook") or (extra.get("source_option") and not source_options)
+            shown = first_sentence(f.description) if part in listed and not unlisted else argparse.SUPPRESS
             kwargs: dict = {"dest": f"{part}.{name}", "default": argparse.SUPPRESS, "help": shown}
             if inner == [bool]:
                 kwargs["action"] = argparse.BooleanOptionalAction
@@ -71,11 +75,12 @@ def add_config_command(sub, name: str, help_: str, hidden: tuple[str, ...] = ())
     does not use them), and slime's flags (accepted, listed by `sluiceway run --help-slime`)."""
     epilog = SLIME_HELP
     if hidden:
-        epilog = (f"The flags of the parts {name} does not use ({', '.join(hidden)}) are accepted and not listed "
-                  "(`sluiceway config --help` lists every flag). " + epilog)  # fmt: skip
+        epilog = (f"The flags of the parts {name} does not use ({', '.join(hidden)}) and of verifiers: and "
+                  "openenv: sources are accepted, not listed (`sluiceway config --help` lists every flag). "
+                  + epilog)  # fmt: skip
     p = sub.add_parser(name, help=help_, usage=USAGE, epilog=epilog)
     p.add_argument("config_file", nargs="?", help="YAML run config (flags override it)")
-    add_field_arguments(p, tuple(part for part in PARTS if part not in hidden))
+    add_field_arguments(p, tuple(part for part in PARTS if part not in hidden), source_options=not hidden)
     slime.add_arguments(p)
     return p
 

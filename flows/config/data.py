@@ -12,11 +12,10 @@ from sluiceway.flows.config.group import Group
 class DataConfig(Group):
     prompt_data: str | None = Field(
         None,
-        description="JSONL or Parquet file of prompts (slime format), 'env:NAME' for a procedural environment, "
-        "'verifiers:NAME' for a verifiers (v1) environment, or 'openenv:URL' / 'openenv:MODULE:Class' for an OpenEnv "
-        "environment (docs/environments.md).",
+        description="JSONL or Parquet prompts (slime format), or an environment: env:NAME, verifiers:NAME, "
+        "openenv:URL, openenv:MODULE:Class (docs/environments.md).",
     )
-    input_key: str = Field("input", description="Field holding the prompt: plain text or a list of chat messages.")
+    input_key: str = Field("input", description="Field holding the prompt: text or chat messages.")
     label_key: str | None = Field("label", description="Field holding the reference answer.")
     metadata_key: str = Field("metadata", description="Optional field holding per-sample metadata (a dict).")
     response_key: str | None = Field(
@@ -42,23 +41,32 @@ class DataConfig(Group):
         None,
         description="With an openenv: prompt source, 'module:fn' or 'file.py:fn' turning the model's text into an "
         "action (a dict of its fields; None ends the episode); unset: the action is offered as a tool.",
+        json_schema_extra={"source_option": True},
     )
     openenv_observation_text: str | None = Field(
         None,
         description="With an openenv: prompt source, 'module:fn' turning an observation's fields (a dict) into the "
         "text the model reads; unset: its one text field, or its fields as JSON.",
+        json_schema_extra={"source_option": True},
     )
-    openenv_max_turns: int = Field(16, ge=1, description="With an openenv: prompt source, most model turns an episode.")
+    openenv_max_turns: int = Field(
+        16,
+        ge=1,
+        description="With an openenv: prompt source, most model turns an episode.",
+        json_schema_extra={"source_option": True},
+    )
     openenv_turn_tokens: int | None = Field(
         None,
         ge=1,
         description="With an openenv: prompt source, most tokens a model turn (max_tokens); unset: what "
         "is left of rollout_max_response_len.",
+        json_schema_extra={"source_option": True},
     )
     openenv_timeout_s: float = Field(
         60.0,
         gt=0,
         description="With an openenv: prompt source, seconds an environment's answer may take before its sample fails.",
+        json_schema_extra={"source_option": True},
     )
     verifiers_env: dict = Field(
         default_factory=dict,
@@ -66,6 +74,7 @@ class DataConfig(Group):
         "the command line): the taskset's arguments under 'taskset', the agent's harness under 'agent.harness', "
         "'timeout', ...; taskset.id is NAME, agents run on the local subprocess runtime unless another local one "
         "is named.",
+        json_schema_extra={"source_option": True},
     )
 
     @field_validator("verifiers_env", mode="before")

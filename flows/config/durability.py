@@ -17,6 +17,7 @@ class DurabilityConfig(Group):
     retry_backoff_s: float = Field(
         2.0,
         ge=0.0,
+        le=30.0,  # the cap of every wait: a longer first delay would mean nothing
         description="First retry delay; each further retry waits twice as long (exponential backoff), at most 30 s.",
     )
     retry_budget_s: float = Field(
