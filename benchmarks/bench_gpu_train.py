@@ -5,21 +5,24 @@ configs: nothing to download), GRPO steps, bf16 over fp32 master weights, one op
     qwen2.5-0.5b   64 samples x 1,024 tokens (128 + 896), micro-batch 8 (Qwen2.5-0.5B's shape, Llama-typed)
     qwen2.5-1.5b   64 samples x 1,024 tokens (128 + 896), micro-batch 8
 
-    python benchmarks/bench_gpu_train.py [--shape NAME ...] [--profile] [--recompute-layers N] [--json PATH]
+    python benchmarks/bench_gpu_train.py [--shape NAME ...] [--profile] [--recompute-layers N] [--eager-layers]
+                                         [--json PATH]
 
 tests/gpu/run_on_device.sh sets a machine up. Per shape: ms/step (median of the steps after two warm ones),
 tokens/s, model FLOP/s as 6 x parameters x tokens / step time (attention ignored) and its share of the card's
 dense bf16 peak (989 TFLOP/s: H100 SXM; --peak-tflops for another card), and the torch allocator's peak memory.
 `--profile` adds one profiled step: the share of its wall time the GPU was busy, the host's synchronisations
 (cudaStreamSynchronize and the like) and kernel launches. `--recompute-layers N`: megatron's full recompute of the
-first N layers (method block), to trade compute for memory. Results go to docs/benchmarks.md ("Trainer on one
-GPU") by hand, with the machine line printed first (the GPU machine is not where the docs live).
+first N layers (method block), to trade compute for memory. `--eager-layers`: the transformer layers not
+compiled (models/megatron_gpt.py compiles them on GPUs), the A/B of that change. Results go to docs/benchmarks.md
+("Trainer on one GPU") by hand, with the machine line printed first (the GPU machine is not where the docs live).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
@@ -32,6 +35,7 @@ from bench_doc import machine_line  # benchmarks/ is the script's own directory
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
+from sluiceway.models.megatron_gpt import compile_layers_on
 from sluiceway.models.zoo import resolve_checkpoint
 from sluiceway.tasks.train.trainer import PolicyTrainer
 
@@ -103,8 +107,8 @@ def profile_step(trainer: PolicyTrainer, batch: list[TrainSample], step: int) ->
     syncs = sum(e.count for e in events if e.key in SYNC_CALLS)
     launches = sum(e.count for e in events if e.key in LAUNCH_CALLS)
     top = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
-                 key=lambda e: -e.self_device_time_total)[:8]  # fmt: skip
-    kernels = [(e.key[:80], e.self_device_time_total / 1e6) for e in top]
+                 key=lambda e: -e.self_device_time_total)[:25]  # fmt: skip
+    kernels = [(e.key[:100], e.count, e.self_device_time_total / 1e6) for e in top]
     return {"profiled_wall_s": wall, "busy_s": busy, "busy_share": busy / wall, "syncs": syncs,
             "launches": launches, "top_kernels": kernels}  # fmt: skip
 
@@ -135,7 +139,8 @@ def run_shape(name: str, steps: int, profile: bool, recompute_layers: int, peak_
         tokens = n * (prompt + response)
         tflops = 6 * params * tokens / step / 1e12
         out = {"shape": name, "params": params, "samples": n, "tokens_per_sample": prompt + response,
-               "micro_batch": mb, "recompute_layers": recompute_layers, "setup_s": round(setup, 1),
+               "micro_batch": mb, "recompute_layers": recompute_layers,
+               "compiled_layers": compile_layers_on(torch.device("cuda")), "setup_s": round(setup, 1),
                "steps_ms": [round(1000 * t) for t in times], "ms_per_step": 1000 * step, "tokens_per_s": tokens / step,
                "model_tflops": tflops, "peak_share": tflops / peak_tflops,
                "peak_gib": torch.cuda.max_memory_allocated() / 2**30}  # fmt: skip
@@ -152,13 +157,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--recompute-layers", type=int, default=0)
+    parser.add_argument(
+        "--eager-layers",
+        action="store_true",
+        help="transformer layers not compiled (SLUICEWAY_COMPILE_LAYERS=0): the A/B of issue 44",
+    )
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--json", type=Path, help="append each shape's result here, one JSON object a line")
     args = parser.parse_args()
+    if args.eager_layers:
+        os.environ["SLUICEWAY_COMPILE_LAYERS"] = "0"
     print(f"Machine: {machine_line()}", flush=True)  # GPU name and torch version included
     for name in args.shape or list(SHAPES):
         r = run_shape(name, args.steps, args.profile, args.recompute_layers, args.peak_tflops)
-        variant = f" recompute {args.recompute_layers} layers" if args.recompute_layers else ""
+        variant = " eager layers" if args.eager_layers else " compiled layers"
+        variant += f" recompute {args.recompute_layers} layers" if args.recompute_layers else ""
         line = (f"{name} bf16 mb {r['micro_batch']}{variant}: {r['ms_per_step']:.0f} ms/step, "
                 f"{r['tokens_per_s']:,.0f} tokens/s, {r['model_tflops']:.0f} TFLOP/s = {100 * r['peak_share']:.1f}% "
                 f"of bf16 peak, peak {r['peak_gib']:.1f} GiB (steps {r['steps_ms']} ms)")  # fmt: skip

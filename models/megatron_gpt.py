@@ -31,7 +31,7 @@ from torch import Tensor
 from sluiceway.infra.proc import loopback_collectives, loopback_store
 from sluiceway.models.fused_logprobs import compiled_on, linear_token_logprob_entropy, token_logprob_entropy
 from sluiceway.models.megatron_attention import cpu_layer_spec
-from sluiceway.models.megatron_import import megatron_import
+from sluiceway.models.megatron_import import megatron_import, traceable_linear_layers
 
 with megatron_import():  # quiet, and torch.compile deferred (models/megatron_import.py)
     from megatron.core import parallel_state, tensor_parallel
@@ -369,7 +369,52 @@ def build_gpt_model(
     for module in model.modules():
         if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
             module.to(dtype)
-    return model.to(device)
+    model = model.to(device)
+    if compile_layers_on(device):
+        compile_layers(model)
+    return model
+
+
+def compile_layers_on(device: torch.device) -> bool:
+    """Whether `build_gpt_model` compiles its transformer layers: on GPUs where torch.compile works, unless
+    SLUICEWAY_COMPILE_LAYERS=0 (to compare). Never on CPU: there the eager ops are the engine's arithmetic."""
+    return device.type == "cuda" and os.environ.get("SLUICEWAY_COMPILE_LAYERS", "1") != "0" and compiled_on(device)
+
+
+def compile_layers(model: GPTModel) -> None:
+    """Each transformer layer through torch.compile (issue 44): megatron's local spec runs RMSNorm, RoPE, the
+    residual adds and the attention's reshapes as separate kernels, hundreds of launches a layer; compiled, the
+    elementwise work between two matrix products is one kernel. The layers share one compiled graph (same code,
+    their parameters are inputs), recompiled once for dynamic lengths. A layer whose compile fails runs eagerly,
+    with a warning, from then on."""
+    traceable_linear_layers()
+    for layer in model.decoder.layers:
+        layer.compile()
+        layer._compiled_call_impl = _eager_after_failure(layer._compiled_call_impl, layer._call_impl)
+
+
+def _eager_after_failure(compiled: Any, eager: Any) -> Any:
+    """`compiled`, until a call fails in the compiler (a shape it cannot handle): then `eager`, the same module's
+    plain forward. Out of memory is not a compiler failure and still raises."""
+    state = {"fn": compiled}
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return state["fn"](*args, **kwargs)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError, Unsupported
+
+            if state["fn"] is eager or not isinstance(exc, (BackendCompilerFailed, TorchRuntimeError, Unsupported)):
+                raise
+            warnings.warn(
+                f"torch.compile failed for a transformer layer ({exc}); it runs eagerly from now on", stacklevel=2
+            )
+            state["fn"] = eager
+            return eager(*args, **kwargs)
+
+    return call
 
 
 # --------------------------------------------------------------------------------------------------------------
