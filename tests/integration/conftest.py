@@ -18,18 +18,40 @@ from cli_run import cli_args, run_cli
 def warm_cache(tmp_path_factory) -> Path:
     """A sluiceway cache made once per session, from nothing (as on a new machine): tiny-llama built, this CPU's
     precision probe, and the migrated Prefect database every new run directory starts from. Made by a child process
-    with the session's environment (the AVX2-only pass probes under its own limits)."""
-    warm = tmp_path_factory.mktemp("warm-cache")
-    home = tmp_path_factory.mktemp("warm-prefect-home")
-    code = (
-        "from pathlib import Path; import sys\n"
-        "from sluiceway.models.zoo import resolve_checkpoint; resolve_checkpoint('tiny-llama')\n"
-        "from sluiceway.infra import precision; precision.probe_cpu()\n"
-        "from sluiceway.infra.prefect_env import start_api_server; start_api_server(Path(sys.argv[1]))\n"
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")} | {"SLUICEWAY_CACHE": str(warm)}
-    subprocess.run([sys.executable, "-c", code, str(home)], env=env, check=True, timeout=600, capture_output=True)
-    assert list((warm / "prefect").glob("template-*.db")), "the Prefect template database was not made"
+    with the session's environment (the AVX2-only pass probes under its own limits).
+
+    Made once, not once per pytest-xdist worker: the workers of one session share it (the first to need it makes
+    it, under a lock, the other waits for it). `make test` names a directory in SLUICEWAY_TEST_SEED_CACHE for its
+    main pass and its verifiers pass (same CPU settings, same torch and Prefect): the main pass makes the cache
+    there, the verifiers pass copies it (the suite's budget, issue 39 point 6). Nobody writes to it afterwards:
+    tests copy it."""
+    from filelock import FileLock
+
+    seed = os.environ.get("SLUICEWAY_TEST_SEED_CACHE")
+    if seed:
+        warm = Path(seed)
+    elif os.environ.get("PYTEST_XDIST_WORKER"):
+        warm = tmp_path_factory.getbasetemp().parent / "warm-cache"  # the workers' common base directory
+    else:
+        warm = tmp_path_factory.getbasetemp() / "warm-cache"
+    done = warm.with_name(warm.name + ".done")
+    warm.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(warm) + ".lock"):
+        if not done.exists():
+            shutil.rmtree(warm, ignore_errors=True)  # a half-made one, from a session that was killed
+            warm.mkdir()
+            home = tmp_path_factory.mktemp("warm-prefect-home")
+            code = (
+                "from pathlib import Path; import sys\n"
+                "from sluiceway.models.zoo import resolve_checkpoint; resolve_checkpoint('tiny-llama')\n"
+                "from sluiceway.infra import precision; precision.probe_cpu()\n"
+                "from sluiceway.infra.prefect_env import start_api_server; start_api_server(Path(sys.argv[1]))\n"
+            )
+            env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")} | {"SLUICEWAY_CACHE": str(warm)}
+            subprocess.run([sys.executable, "-c", code, str(home)], env=env, check=True, timeout=600,
+                           capture_output=True)  # fmt: skip
+            assert list((warm / "prefect").glob("template-*.db")), "the Prefect template database was not made"
+            done.touch()
     return warm
 
 
@@ -42,6 +64,15 @@ def _seeded_cache(request, tmp_path, warm_cache):
     use too."""
     if request.node.get_closest_marker("cold_cache") is None:
         shutil.copytree(warm_cache, tmp_path / "cache")
+
+
+@pytest.fixture(scope="module")
+def module_cache(tmp_path_factory, warm_cache) -> Path:
+    """A copy of the session's warm cache for a module's long-lived servers (the Tinker server's), which use their
+    cache as it is: the warm cache itself is never written to, other tests copy it."""
+    cache = tmp_path_factory.mktemp("module-cache") / "cache"
+    shutil.copytree(warm_cache, cache)
+    return cache
 
 
 @pytest.fixture(scope="session")

@@ -40,8 +40,8 @@ RENDERER = "role_colon"  # the cookbook's plain "User: ... Assistant: ..." forma
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, warm_cache):
-    srv = TinkerServer(tmp_path_factory.mktemp("tinker-cookbook"), warm_cache).start()
+def server(tmp_path_factory, module_cache):
+    srv = TinkerServer(tmp_path_factory.mktemp("tinker-cookbook"), module_cache).start()
     yield srv
     srv.stop()
 
@@ -82,11 +82,11 @@ def math_rl_config(server: TinkerServer, model: str, log_path: Path, **settings)
     return train.CLIConfig(**(base | settings))
 
 
-def test_math_rl_recipe_trains_and_resumes(server, tmp_path, warm_cache, client_env):
+def test_math_rl_recipe_trains_and_resumes(server, tmp_path, module_cache, client_env):
     from tinker_cookbook.recipes.math_rl import train
 
     log_path = tmp_path / "math_rl"
-    model = model_dir(warm_cache, "tiny-llama")
+    model = model_dir(module_cache, "tiny-llama")
     asyncio.run(train.cli_main(math_rl_config(server, model, log_path, save_every=1)))
     checkpoints = [json.loads(line) for line in (log_path / "checkpoints.jsonl").read_text().splitlines()]
     assert [c["name"] for c in checkpoints] == ["000001", "000002", "final"]
@@ -125,13 +125,13 @@ def test_math_rl_recipe_trains_and_resumes(server, tmp_path, warm_cache, client_
     assert len(samples) == 12 and all(1 <= len(s["output_token_ids"]) <= 5 and s["max_tokens"] == 5 for s in samples)
 
 
-def test_chat_sl_recipe_loss_falls(server, tmp_path, warm_cache, client_env):
+def test_chat_sl_recipe_loss_falls(server, tmp_path, module_cache, client_env):
     from tinker_cookbook.recipes.chat_sl import train
 
     data = Path(cookbook.__file__).parent / "example_data" / "conversations.jsonl"
     n_conversations = len(data.read_text().splitlines())
     log_path = tmp_path / "chat_sl"
-    config = train.CLIConfig(model_name=model_dir(warm_cache, "tiny-llama"), renderer_name=RENDERER, lora_rank=4,
+    config = train.CLIConfig(model_name=model_dir(module_cache, "tiny-llama"), renderer_name=RENDERER, lora_rank=4,
                              dataset=str(data), batch_size=n_conversations, num_epochs=4, learning_rate=1e-2,
                              base_url=server.url, log_path=str(log_path), behavior_if_log_dir_exists="delete",
                              save_every=0, eval_every=0, infrequent_eval_every=0, rolling_save_every=1)  # fmt: skip

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.skipif(tinker.__version__ != "0.38.0", reason="the wire
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, warm_cache):
-    srv = TinkerServer(tmp_path_factory.mktemp("tinker"), warm_cache).start()
+def server(tmp_path_factory, module_cache):
+    srv = TinkerServer(tmp_path_factory.mktemp("tinker"), module_cache).start()
     yield srv
     srv.stop()
 
