@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -51,8 +54,35 @@ def store(request: pytest.FixtureRequest, tmp_path, monkeypatch: pytest.MonkeyPa
     return ObjectStore.from_uri(f"s3://{server.bucket}/{prefix}")
 
 
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory) -> Path:
+    """A cache holding the tiny-llama build, made once per session from nothing (once for all its xdist workers: the
+    first makes it under a lock, the others wait). Modules copy it rather than build tiny-llama each (2.5 s of CPU
+    each, some 25 modules; the suite's budget, issue 39 point 6). Never written to after it is made."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the workers' common base directory
+    cache, done = base / "tiny-cache", base / "tiny-cache.done"
+    with FileLock(str(cache) + ".lock"):
+        if not done.exists():
+            shutil.rmtree(cache, ignore_errors=True)  # a half-made one, from a session that was killed
+            resolve_checkpoint("tiny-llama", cache_dir=cache)
+            done.touch()
+    return cache
+
+
+def tiny_cache_copy(tmp_path_factory: pytest.TempPathFactory, tiny_cache: Path) -> Path:
+    """A module's own cache, starting as a copy of the session's tiny_cache."""
+    cache = tmp_path_factory.mktemp("cache")
+    shutil.copytree(tiny_cache, cache, dirs_exist_ok=True)
+    return cache
+
+
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """The tiny-llama checkpoint built into a fresh cache, and its tokenizer (once per module that asks)."""
-    path = resolve_checkpoint("tiny-llama", cache_dir=tmp_path_factory.mktemp("cache"))
+def tiny(tmp_path_factory, tiny_cache):
+    """The tiny-llama checkpoint in a cache of the module's own (a copy of the session's build), and its tokenizer
+    (once per module that asks)."""
+    path = resolve_checkpoint("tiny-llama", cache_dir=tiny_cache_copy(tmp_path_factory, tiny_cache))
     return path, load_tokenizer(path)

@@ -13,17 +13,10 @@ import signal
 import pytest
 from trainer_group_helpers import assert_same, batch, local_trainer, trainer_kwargs
 
-from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.tasks.train.remote import TrainerGroupError
 
 ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = resolve_checkpoint("tiny-llama", cache_dir=tmp_path_factory.mktemp("cache"))
-    return path, load_tokenizer(path)
 
 
 @pytest.fixture(scope="module")

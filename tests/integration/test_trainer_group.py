@@ -9,16 +9,9 @@ import pytest
 import torch
 from trainer_group_helpers import assert_same, batch, local_trainer, trainer_kwargs
 
-from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.tasks.train.remote import RemoteTrainer, TrainerGroupError
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = resolve_checkpoint("tiny-llama", cache_dir=tmp_path_factory.mktemp("cache"))
-    return path, load_tokenizer(path)
 
 
 @pytest.mark.parametrize("layout", [{"tp": 2}, {"tp": 1}], ids=["tp2", "dp2"])

@@ -4,18 +4,11 @@ by its samples is laid out once, and row layouts change neither loss nor gradien
 import pytest
 from trainer_group_helpers import assert_same, batch, local_trainer, trainer_kwargs
 
-from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.tasks.train.collation import collate
 from sluiceway.tasks.train.micro_batches import plan_micro_batches, shard_for_rank
 from sluiceway.tasks.train.samples import TrainSample
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = resolve_checkpoint("tiny-llama", cache_dir=tmp_path_factory.mktemp("cache"))
-    return path, load_tokenizer(path)
 
 
 def test_plans_cover_every_sample_once():
