@@ -140,8 +140,8 @@ def settle_versions(root: Path, version: int) -> None:
       undamaged one would.
     - Older versions are not loaded by anything in a resume (the next write reuses the oldest as scratch).
 
-    A directory neither the run's record nor a checksums.json covers (written by a build before both) is not
-    checked. Cost: one hash of one version (SmolLM2, 270 MB: about 0.2 s here), once per resume; no hashing when
+    A directory neither the run's record nor a checksums.json covers (both lost, or written by a build before
+    them) is rebuilt the same way: nothing says what its bytes should be. Cost: one hash of one version (SmolLM2, 270 MB: about 0.2 s here), once per resume; no hashing when
     engines load a version.
     """
     if not Path(root).is_dir():
@@ -155,11 +155,10 @@ def settle_versions(root: Path, version: int) -> None:
             shutil.rmtree(d)
             log.info("removed %s: written after the checkpoint (v%d); its step is trained again", d, version)
         elif v == version:
-            if not has_record(d, v):
-                log.info("%s has no checksums.json nor an entry in the run's record (written by an older build): "
-                         "loaded unchecked", d)  # fmt: skip
-                continue
-            problem = version_problem(d, v)
+            # Nothing vouching for it (both records lost, or a build before them): rebuilt like a damaged one,
+            # since loading it unchecked would train on whatever bytes it holds (issue 40 point 4).
+            problem = "no checksums.json and no entry in the run's record" if not has_record(d, v) else None
+            problem = problem or version_problem(d, v)
             if problem is not None:
                 log.warning("weights %s/%s; writing v%d again from the checkpoint's weights", d, problem, version)
                 shutil.rmtree(d)

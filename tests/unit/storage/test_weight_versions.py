@@ -119,15 +119,17 @@ def test_a_resume_rebuilds_a_damaged_version_and_drops_newer_ones(model_dir, tmp
     assert (path / "model.safetensors").read_bytes() == good and not caplog.records
 
 
-def test_a_version_without_checksums_loads_unchecked(model_dir, tmp_path):
-    """Written by a build before checksums (and before the run's record of its versions): trusted as it was."""
-    path = write_weight_version(load_hf_state_dict(model_dir), model_dir, tmp_path, 4)
-    (path / CHECKSUMS).unlink()
-    published_path(tmp_path).unlink()
-    _flip_byte(path / "model.safetensors")
-    assert checksums_problem(path) is None
-    settle_versions(tmp_path, 4)
-    assert path.is_dir()
+def test_a_version_nothing_vouches_for_is_rebuilt(model_dir, tmp_path, caplog):
+    """Issue 40 point 4's last gap: checksums.json and the run's record both deleted, plus a flipped byte, had
+    loaded unchecked ("written by an older build"); with nothing to check it against it is written again."""
+
+    def damage(root):
+        (version_dir(root, 2) / CHECKSUMS).unlink()
+        published_path(root).unlink()
+        _flip_byte(version_dir(root, 2) / "model.safetensors")
+
+    warning = _resume_at_v2(model_dir, tmp_path / "weights", damage, caplog)
+    assert "no checksums.json and no entry in the run's record" in warning and "older build" not in warning
 
 
 def _resume_at_v2(model_dir, root, damage, caplog) -> str:
