@@ -141,8 +141,8 @@ def settle_versions(root: Path, version: int) -> None:
     - Older versions are not loaded by anything in a resume (the next write reuses the oldest as scratch).
 
     A directory neither the run's record nor a checksums.json covers (both lost, or written by a build before
-    them) is rebuilt the same way: nothing says what its bytes should be. Cost: one hash of one version (SmolLM2, 270 MB: about 0.2 s here), once per resume; no hashing when
-    engines load a version.
+    them) is rebuilt the same way: nothing says what its bytes should be. Cost: one hash of one version (SmolLM2,
+    270 MB: about 0.2 s here), once per resume; no hashing when engines load a version.
     """
     if not Path(root).is_dir():
         return
