@@ -16,8 +16,9 @@ from sluiceway.storage.object_store import ObjectStore
 
 # `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`). A file's tests stay on one worker
 # (their module fixtures are made once), and the files that share a session fixture's run (tests/integration/
-# conftest.py: two_step_run, dp2_cli_run) go to the same worker, so each shared run is made once.
-SHARED_RUNS = ("two_step_run", "dp2_cli_run")
+# conftest.py: two_step_run, dp2_cli_run, and the Prefect server prefect_server) go to the same worker, so each
+# shared run (or server) is made once.
+SHARED_RUNS = ("two_step_run", "dp2_cli_run", "prefect_server")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups

@@ -88,6 +88,18 @@ def two_step_run(tmp_path_factory, warm_cache):
 
 
 @pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """One real Prefect server (`sluiceway server`, tests/prefect_server.py) for the modules that talk to one:
+    test_deployments.py (a process work pool and its worker) and test_ui.py (the browser, against `sluiceway serve`
+    in place). Each registers deployments and flow runs of its own names; starting the server is about 9 s of CPU
+    (the suite's budget, issue 39 point 6)."""
+    from prefect_server import PrefectServer
+
+    with PrefectServer(tmp_path_factory.mktemp("prefect")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
 def dp2_cli_run(tmp_path_factory, warm_cache):
     """`sluiceway run --num-rollout 2 --actor-num-gpus-per-node 2 --use-distributed-optimizer` with cli_run's
     settings (a DP=2 torchrun group with the sharded optimizer), run with this machine's LAN address as hostname

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from prefect_server import TINY_RUN_FLAGS, PrefectServer, sluiceway_cmd, stop
+from prefect_server import TINY_RUN_FLAGS, sluiceway_cmd, stop
 
 from sluiceway.flows.logging_backends import read_scalars
 from sluiceway.infra.proc import free_port
@@ -23,9 +23,9 @@ SECRET = "worker-secret-6c1f2e9a7b"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with PrefectServer(tmp_path_factory.mktemp("prefect")) as s:
-        yield s
+def server(prefect_server):
+    """The session's Prefect server, shared with test_ui.py (tests/integration/conftest.py)."""
+    return prefect_server
 
 
 def test_serve_without_a_server_is_one_line(tmp_path):
