@@ -20,9 +20,11 @@ TWO_TURNS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
+@pytest.fixture
+def tiny(tmp_path):
+    """tiny-llama in the test's own cache, `tmp_path / "cache"`: a copy of the session's warm cache (tiny-llama built,
+    the precision probe, the Prefect template database; tests/integration/conftest.py), not a build of its own."""
+    cache = tmp_path / "cache"
     path = resolve_checkpoint("tiny-llama", cache_dir=cache)
     return path, load_tokenizer(path), cache
 

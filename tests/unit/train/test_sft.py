@@ -9,7 +9,6 @@ from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
 from sluiceway.infra.errors import UserError
 from sluiceway.models.chat import encode_prompt, render_prompt
 from sluiceway.models.megatron_gpt import token_logprobs
-from sluiceway.models.zoo import load_tokenizer, resolve_checkpoint
 from sluiceway.storage.datasets import import_prompts, load_prompts
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.tasks.train.collation import collate
@@ -22,13 +21,6 @@ TWO_TURNS = [
     {"role": "user", "content": "And 4 + 4?"},
     {"role": "assistant", "content": "8"},
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
-    path = resolve_checkpoint("tiny-llama", cache_dir=cache)
-    return path, load_tokenizer(path), cache
 
 
 def trained_runs(tok, ids, mask):
@@ -44,7 +36,7 @@ def trained_runs(tok, ids, mask):
 
 
 def test_two_turn_loss_mask(tiny):
-    _, tok, _ = tiny
+    _, tok = tiny  # tests/conftest.py: the session's tiny-llama build, copied
     ids, mask = encode_row(tok, {"messages": TWO_TURNS}, SftSettings(), "f.jsonl:1", has_response=False)
     assert len(ids) == len(mask)
     # Trained: each assistant content and its end-of-turn token; not the header, not the newline after.
@@ -63,7 +55,7 @@ def test_two_turn_loss_mask(tiny):
 
 
 def test_prompt_response_records(tiny, tmp_path):
-    _, tok, _ = tiny
+    _, tok = tiny
     data = tmp_path / "pairs.jsonl"
     data.write_text(
         json.dumps({"prompt": "What is 1 + 1?", "response": "The answer is 2."})
@@ -99,7 +91,7 @@ def sequence_nll(trainer, samples):
 
 
 def test_sft_steps_lower_the_loss(tiny):
-    path, tok, _ = tiny
+    path, tok = tiny
     convs = [
         [{"role": "user", "content": f"What is {a} + {b}?"}, {"role": "assistant", "content": f"It is {a + b}."}]
         for a, b in [(1, 2), (3, 4), (5, 1), (2, 2)]
