@@ -13,6 +13,8 @@ from typing import Any
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
+# The rollout id hooks get by default: module state as in slime, whose driver sets it (no handle reaches the hooks).
+# sluiceway refuses --rollout-sample-hook-path, so nothing here sets it; a plugin may call set_current_rollout_id.
 _current_rollout_id: int | None = None
 
 

@@ -24,6 +24,8 @@ import httpx
 
 logger = logging.getLogger(__name__)
 
+# Module state as slime keeps it, on purpose: a plugin calls init_http_client(args) once and post() anywhere after
+# with no handle to pass, so the client lives here (a process runs one rollout's plugins at a time).
 _http_client: httpx.AsyncClient | None = None
 _client_concurrency: int = 0
 _client_loop: asyncio.AbstractEventLoop | None = None  # the loop _http_client's connections belong to (None: unused)

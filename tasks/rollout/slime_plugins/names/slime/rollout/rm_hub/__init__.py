@@ -92,6 +92,7 @@ def f1_score(prediction, ground_truth) -> tuple[float, float, float]:
 
 
 # -------------------------------------------------------------------------------------------------- remote RM
+# slime's remote-RM client, module state as in slime (its rm functions take no client argument); one per process.
 _rm_client: httpx.AsyncClient | None = None
 _rm_loop: asyncio.AbstractEventLoop | None = None
 
