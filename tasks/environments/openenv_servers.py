@@ -197,9 +197,13 @@ class LocalServers:
                 start = len(self._servers) + self._starting < self.max_servers
                 if start:
                     self._starting += 1
+                    # numbered here, under the lock: two servers starting at once got the same number (and
+                    # wrote their stderr into one file, the second truncating the first's)
+                    self.started += 1
+                    number = self.started
             if start:
                 try:
-                    s = await asyncio.to_thread(self._start)
+                    s = await asyncio.to_thread(self._start, number)
                 finally:
                     with self._lock:
                         self._starting -= 1
@@ -210,12 +214,13 @@ class LocalServers:
             await asyncio.sleep(0.05)
 
     # ----------------------------------------------------------------------- processes
-    def _start(self) -> _Server:
+    def _start(self, number: int) -> _Server:
+        """Start server `number` (1, 2, ... in the order they were asked for; a replaced one counts)."""
         from sluiceway.tasks.environments.openenv_client import EnvironmentFailed
 
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
-            errpath = os.path.join(self.log_dir, f"openenv-server-{self.started + 1}.log")
+            errpath = os.path.join(self.log_dir, f"openenv-server-{number}.log")
             fd = os.open(errpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         else:
             fd, errpath = tempfile.mkstemp(prefix="sluiceway-openenv-", suffix=".log")
@@ -225,7 +230,6 @@ class LocalServers:
                 stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, cwd=os.getcwd(), env=_child_env(),
                 start_new_session=True, text=True,
             )  # fmt: skip
-        self.started += 1
         deadline = time.monotonic() + START_TIMEOUT_S
         line = ""
         while time.monotonic() < deadline:

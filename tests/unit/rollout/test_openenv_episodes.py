@@ -99,7 +99,7 @@ def test_protocol_client_against_the_openenv_server(game):
 
 def test_a_class_served_one_session_at_a_time_refuses_a_second_connection_and_an_episode_waits(tiny):
     servers = LocalServers(SOLO, _python(), 4, concurrent=False)
-    server = servers._start()  # one server, as openenv serves the class: one session
+    server = servers._start(1)  # one server, as openenv serves the class: one session
 
     async def go():
         async with OpenEnvSession(server.url, 30) as a:
