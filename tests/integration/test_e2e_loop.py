@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -20,9 +21,12 @@ from sluiceway.storage.trajectories import TRAJECTORY_SCHEMA, read_trajectories
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
+def finished_run(tmp_path_factory, warm_cache):
+    """A 2-step run with evaluation, in a copy of the session's warm cache (first use on an empty cache is
+    test_adaptive_difficulty_over_an_environment_mixture's)."""
     base = tmp_path_factory.mktemp("e2e")
     run_dir, cache = base / "run", base / "cache"
+    shutil.copytree(warm_cache, cache)
     proc = run_cli(
         run_dir,
         cache,
