@@ -93,7 +93,11 @@ XDIST = -n $(TEST_WORKERS) --dist loadgroup
 # the first pass, in a directory of this target's own (SLUICEWAY_TEST_SEED_CACHE), and copied by the verifiers pass
 # (same CPU settings, torch and Prefect); the AVX2-only pass makes its own, under its limits. Each pass still starts
 # from an empty HOME, and the cold_cache tests from an empty cache.
+# The project's own modules are compiled once first: where PYTHONDONTWRITEBYTECODE is set (as on the 2-core test
+# machines) every process the suite starts (CLI runs, engines, trainer ranks, Ray workers: hundreds) compiled the ones
+# it imports from source; Python reads the .pyc files all the same (git-ignored; a changed source is compiled again).
 test: install
+	$(PY) -m compileall -q flows tasks storage models infra
 	S=$$(mktemp -d /tmp/sw-seed.XXXXXX) && trap 'rm -rf "$$S"' EXIT && \
 	( $(FRESH) SLUICEWAY_TEST_SEED_CACHE=$$S/cache \
 		$(PY) -m pytest -q -p no:cacheprovider -m "not slow" $(XDIST) --durations=25 $(PYTEST_ARGS) ) && \
