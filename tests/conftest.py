@@ -21,9 +21,8 @@ from sluiceway.storage.object_store import ObjectStore
 SHARED_RUNS = ("two_step_run", "dp2_cli_run", "prefect_server")
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]):
-    # Before every plugin's hook (xdist's reads the groups):
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     group: dict[str, str] = {}
     for item in items:
         shared = next((name for name in SHARED_RUNS if name in getattr(item, "fixturenames", ())), None)
@@ -32,25 +31,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(group[str(item.path)]))
-    result = yield
-    # After them: what xdist's loadgroup does, where it no longer can. Its worker appends `@group` to each item's
-    # node id (the scheduler's only way to know the group) by setting `item._nodeid`, which pytest 9.2 no longer
-    # reads (node ids are `item._id`, a NodeId; pytest-xdist issue 1386). Without the suffix every test was
-    # scheduled on its own, and both workers built the same module and session runs (test_e2e_loop.py's run twice,
-    # at the same time). Done here only where xdist's did not take.
-    if getattr(config.option, "loadgroup", False) and os.environ.get("PYTEST_XDIST_WORKER"):
-        for item in items:
-            marks = item.iter_markers("xdist_group")
-            names = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in marks}
-            name = "_".join(sorted(names))  # as xdist names it
-            if not names or item.nodeid.endswith("@" + name):
-                continue
-            from _pytest.nodeid import NodeId  # pytest >= 9.2, where only this takes
-
-            item._id = NodeId.parse(f"{item.nodeid}@{name}")
-            if not item.nodeid.endswith("@" + name):
-                raise pytest.UsageError(f"cannot name the xdist group of {item.nodeid} (tests/conftest.py)")
-    return result
 
 
 @pytest.fixture(scope="session")
