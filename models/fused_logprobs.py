@@ -239,25 +239,27 @@ def _compiled_chunk_kernels(device_type: str) -> tuple[Any, Any] | None:
     except Exception as exc:  # noqa: BLE001 -- any failure to compile means: run the same functions eagerly
         log.warning("torch.compile unavailable on %s (%s): the log-prob chunks run eagerly", device_type, exc)
         return None
-    return _or_eager(stats, _chunk_stats), _or_eager(grad, _chunk_grad)
+    return or_eager(stats, _chunk_stats), or_eager(grad, _chunk_grad)
 
 
-def _or_eager(compiled: Any, eager: Any) -> Any:
-    """`compiled`, until a call fails to compile (a shape or dtype the probe did not meet): from then on `eager`,
-    the same arithmetic, with a warning. Errors the eager function also raises (out of memory) still raise."""
+def or_eager(compiled: Any, eager: Any, name: str | None = None, failures: tuple[type, ...] = (Exception,)) -> Any:
+    """`compiled`, until a call fails with one of `failures` (a shape or dtype the compiler cannot handle): from then
+    on `eager`, the same arithmetic, with a warning. Out of memory, and any error eager itself raises, still raise.
+    models/megatron_gpt.py's compiled layers take it too, with only the compiler's own errors as `failures`."""
     state = {"fn": compiled}
+    what = name or eager.__name__
 
-    def call(*args):
+    def call(*args, **kwargs):
         try:
-            return state["fn"](*args)
+            return state["fn"](*args, **kwargs)
         except torch.OutOfMemoryError:
             raise
-        except Exception as exc:  # noqa: BLE001
+        except failures as exc:
             if state["fn"] is eager:
                 raise
-            log.warning("torch.compile failed for %s (%s): running it eagerly from now on", eager.__name__, exc)
+            log.warning("torch.compile failed for %s (%s): running it eagerly from now on", what, exc)
             state["fn"] = eager
-            return eager(*args)
+            return eager(*args, **kwargs)
 
     return call
 

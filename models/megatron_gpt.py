@@ -29,7 +29,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from sluiceway.infra.proc import loopback_collectives, loopback_store
-from sluiceway.models.fused_logprobs import compiled_on, linear_token_logprob_entropy, token_logprob_entropy
+from sluiceway.models.fused_logprobs import (
+    compiled_on,
+    linear_token_logprob_entropy,
+    or_eager,
+    token_logprob_entropy,
+)
 from sluiceway.models.megatron_attention import cpu_layer_spec
 from sluiceway.models.megatron_import import megatron_import, traceable_linear_layers
 
@@ -387,34 +392,14 @@ def compile_layers(model: GPTModel) -> None:
     elementwise work between two matrix products is one kernel. The layers share one compiled graph (same code,
     their parameters are inputs), recompiled once for dynamic lengths. A layer whose compile fails runs eagerly,
     with a warning, from then on."""
+    from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError, Unsupported
+
     traceable_linear_layers()
+    compiler_errors = (BackendCompilerFailed, TorchRuntimeError, Unsupported)
     for layer in model.decoder.layers:
         layer.compile()
-        layer._compiled_call_impl = _eager_after_failure(layer._compiled_call_impl, layer._call_impl)
-
-
-def _eager_after_failure(compiled: Any, eager: Any) -> Any:
-    """`compiled`, until a call fails in the compiler (a shape it cannot handle): then `eager`, the same module's
-    plain forward. Out of memory is not a compiler failure and still raises."""
-    state = {"fn": compiled}
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return state["fn"](*args, **kwargs)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError, Unsupported
-
-            if state["fn"] is eager or not isinstance(exc, (BackendCompilerFailed, TorchRuntimeError, Unsupported)):
-                raise
-            warnings.warn(
-                f"torch.compile failed for a transformer layer ({exc}); it runs eagerly from now on", stacklevel=2
-            )
-            state["fn"] = eager
-            return eager(*args, **kwargs)
-
-    return call
+        layer._compiled_call_impl = or_eager(layer._compiled_call_impl, layer._call_impl, "a transformer layer",
+                                             compiler_errors)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------------------
