@@ -10,6 +10,7 @@ may take to start it.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import os
 import shutil
 import sqlite3
@@ -18,7 +19,7 @@ import sys
 import time
 from contextlib import closing
 from dataclasses import dataclass
-from importlib.metadata import version
+from importlib.metadata import entry_points, version
 from pathlib import Path
 
 import httpx
@@ -96,10 +97,19 @@ def start_api_server(home: Path, timeout_s: float = START_TIMEOUT_S, wait: bool 
     template, db = _template_db(), home / "prefect.db"
     own_db = not {"PREFECT_API_DATABASE_CONNECTION_URL", "PREFECT_SERVER_DATABASE_CONNECTION_URL"} & set(os.environ)
     fresh = own_db and not db.exists()
-    if fresh and template.exists():
+    copied = fresh and template.exists()
+    if copied:
         shutil.copyfile(template, db)
     port = free_port()
-    env = child_env(PREFECT_HOME=str(home), PREFECT_UI_ENABLED="0", PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    # A server with one client, the run: Prefect's own ephemeral server's settings (the services such a server
+    # needs: task runs, events and logs recorded; no scheduler, late-run or worker services).
+    env = child_env(PREFECT_HOME=str(home), PREFECT_UI_ENABLED="0", PREFECT_SERVER_ANALYTICS_ENABLED="false",
+                    PREFECT__SERVER_EPHEMERAL="1", PREFECT__SERVER_FINAL="1")  # fmt: skip
+    if copied:
+        # The template was migrated and had its block types registered by this Prefect, with these collections
+        # (_template_db): checking both again on every start is about 1 s of a 5 s start's CPU here. A database
+        # that was already there (a resumed run's, maybe of an older Prefect) is checked and migrated as before.
+        env |= {"PREFECT_SERVER_DATABASE_MIGRATE_ON_START": "false", "PREFECT_SERVER_REGISTER_BLOCKS_ON_START": "false"}
     env.pop("PREFECT_API_URL", None)
     log = open(home / "api-server.log", "ab")
     proc = subprocess.Popen(
@@ -120,8 +130,13 @@ def start_api_server(home: Path, timeout_s: float = START_TIMEOUT_S, wait: bool 
 def _template_db() -> Path:
     """A migrated, empty Prefect database for this Prefect version. Creating the schema and registering the
     block types takes a new server ~8 s of CPU (12 s to healthy vs 4 s on this 2-core machine); every run
-    directory gets a new database, so the first server's is kept and copied."""
-    return cache_root() / "prefect" / f"template-{version('prefect')}.db"
+    directory gets a new database, so the first server's is kept and copied. Its name holds what decides its
+    schema and block types: Prefect's version and the Prefect collections installed (their blocks are registered
+    too), so a copy needs neither checked again."""
+    collections = sorted(f"{ep.name}={ep.value}@{ep.dist.version if ep.dist else ''}"
+                         for ep in entry_points(group="prefect.collections"))  # fmt: skip
+    suffix = "-" + hashlib.sha256("\n".join(collections).encode()).hexdigest()[:12] if collections else ""
+    return cache_root() / "prefect" / f"template-{version('prefect')}{suffix}.db"
 
 
 def _save_template(db: Path) -> None:
