@@ -21,8 +21,9 @@ from sluiceway.storage.object_store import ObjectStore
 SHARED_RUNS = ("two_step_run", "dp2_cli_run", "prefect_server")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]):
+    # Before every other plugin's hook (xdist's appends the groups to the node ids): each test's group.
     group: dict[str, str] = {}
     for item in items:
         shared = next((name for name in SHARED_RUNS if name in getattr(item, "fixturenames", ())), None)
@@ -31,6 +32,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(group[str(item.path)]))
+    return (yield)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids) -> None:
+    """On the xdist controller: every test has a group (above), so under --dist loadgroup every node id a worker
+    sends must end in `@group`, the scheduler's only way to learn it. Where pytest and pytest-xdist disagree on how
+    (pytest 9.2 with xdist 3.8: pytest-xdist issue 1386; pyproject.toml pins pytest below 9.2) every test would be
+    scheduled on its own and both workers would build the same module and session runs: stop, naming the versions."""
+    if node.config.getvalue("dist") != "loadgroup" or not ids:
+        return
+    ungrouped = [nodeid for nodeid in ids if "@" not in nodeid.rsplit("::", 1)[-1]]
+    if ungrouped:
+        import xdist
+
+        pytest.exit(
+            f"pytest {pytest.__version__} with pytest-xdist {xdist.__version__} drops --dist loadgroup's groups "
+            f"(e.g. {ungrouped[0]}): install the pytest that pyproject.toml's dev extra pins",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
 
 
 @pytest.fixture(scope="session")
