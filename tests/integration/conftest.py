@@ -66,6 +66,33 @@ def _seeded_cache(request, tmp_path, warm_cache):
         shutil.copytree(warm_cache, tmp_path / "cache")
 
 
+@pytest.fixture(scope="session")
+def shared_prefect_api(tmp_path_factory, warm_cache) -> str:
+    """One Prefect API server per pytest-xdist worker, the one `sluiceway run` starts for itself
+    (infra/prefect_env.py), for the runs of modules marked `shared_prefect`. It dies with the worker."""
+    from sluiceway.infra.prefect_env import start_api_server
+    from sluiceway.infra.router import stop_process_group
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SLUICEWAY_CACHE", str(warm_cache))  # its template database, only read (copied)
+        env.delenv("PREFECT_API_URL", raising=False)
+        server = start_api_server(tmp_path_factory.mktemp("shared-prefect"))
+    yield server.url
+    stop_process_group(server.proc)
+
+
+@pytest.fixture(autouse=True)
+def _prefect_api(request, monkeypatch):
+    """A module marked `shared_prefect` runs its flows against the worker's shared Prefect server, as a user who
+    points PREFECT_API_URL at a server does, instead of each run starting its own: that start, and the imports of
+    Prefect's server, are 4-5 s of CPU of a tiny-llama run's 16 (the suite's budget, issue 39 point 6). Only modules
+    whose tests check nothing of the run's own server, its database or its processes are marked; those that do
+    (signals, kills, credentials, sockets, first use, the Prefect record of a run) start their own, as every run
+    without PREFECT_API_URL does. Session and module runs are made before this fixture, with their own server."""
+    if request.node.get_closest_marker("shared_prefect") is not None:
+        monkeypatch.setenv("PREFECT_API_URL", request.getfixturevalue("shared_prefect_api"))
+
+
 @pytest.fixture(scope="module")
 def module_cache(tmp_path_factory, warm_cache) -> Path:
     """A copy of the session's warm cache for a module's long-lived servers (the Tinker server's), which use their

@@ -6,11 +6,14 @@ was read whole.) The endpoint's side of it, in detail: tests/unit/rollout/test_a
 
 import math
 
+import pytest
 from cli_run import run_cli
 
 from sluiceway.storage.metrics import read_metrics
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.trajectories import is_trainable, read_trajectories
+
+pytestmark = pytest.mark.shared_prefect  # its runs use the worker's Prefect server: tests/integration/conftest.py
 
 FLOODER = r"""
 import socket, sys

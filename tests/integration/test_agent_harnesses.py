@@ -10,12 +10,15 @@ import json
 import math
 
 import numpy as np
+import pytest
 from cli_run import run_cli
 from paths import DATA
 
 from sluiceway.storage.metrics import read_metrics
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.trajectories import is_trainable, read_trajectories
+
+pytestmark = pytest.mark.shared_prefect  # its runs use the worker's Prefect server: tests/integration/conftest.py
 
 AGENT = f"{DATA / 'agent_harness_mix.py'}:agent"
 HARNESSES = {"agents_sdk", "agents_sdk_chat", "openai_stream", "responses_stream", "langchain", "langchain_stream",

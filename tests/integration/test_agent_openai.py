@@ -14,6 +14,7 @@ import math
 import os
 
 import numpy as np
+import pytest
 from cli_run import run_cli
 from paths import ROOT
 
@@ -29,6 +30,8 @@ from sluiceway.tasks.rollout.dispatch import PoolDispatcher
 from sluiceway.tasks.rollout.pool_target import own_engines
 from sluiceway.tasks.rollout.rollout import PromptItem, RolloutSettings, plan_step, run_rollout
 from sluiceway.tasks.train.batch import trainable_rows
+
+pytestmark = pytest.mark.shared_prefect  # its runs use the worker's Prefect server: tests/integration/conftest.py
 
 AGENT = f"{ROOT / 'examples' / 'agent_openai_tools.py'}:agent"
 

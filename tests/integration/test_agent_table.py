@@ -15,6 +15,8 @@ from sluiceway.storage.metrics import read_metrics
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.trajectories import is_trainable, read_trajectories
 
+pytestmark = pytest.mark.shared_prefect  # its runs use the worker's Prefect server: tests/integration/conftest.py
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(HARNESSES))

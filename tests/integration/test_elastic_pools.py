@@ -22,6 +22,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import yaml
 from cli_run import BATCH, N, cli_args, run_cli
 from paths import DATA
@@ -35,6 +36,8 @@ from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.trajectories import read_trajectories
 from sluiceway.storage.weights.pool_registry import PoolRegistry
 from sluiceway.storage.weights.store import WeightStore
+
+pytestmark = pytest.mark.shared_prefect  # its runs use the worker's Prefect server: tests/integration/conftest.py
 
 GATED = f"{DATA / 'gated_generate.py'}:generate"
 HEARTBEAT_S = 1.0  # the pools' heartbeat: silent after 3, dropped after 10 (tasks/rollout/pool_directory.py)

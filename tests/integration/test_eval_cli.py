@@ -14,7 +14,10 @@ from sluiceway.storage.evals import read_evals
 from sluiceway.storage.metrics import read_metrics
 from sluiceway.storage.object_store import ObjectStore
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning"),
+    pytest.mark.shared_prefect,  # its runs use the worker's Prefect server: tests/integration/conftest.py
+]
 
 SCORER = str(DATA / "noise_rewards.py") + ":vowel_share"
 

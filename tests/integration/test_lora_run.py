@@ -18,6 +18,8 @@ from sluiceway.storage.trajectories import read_trajectories
 from sluiceway.storage.weights.materialize import materialize
 from sluiceway.storage.weights.store import WeightStore
 
+pytestmark = pytest.mark.shared_prefect  # its runs use the worker's Prefect server: tests/integration/conftest.py
+
 LORA = ("--lora-rank", "8", "--lora-alpha", "16", "--lr", "1e-2", "--num-rollout", "3")
 
 

@@ -17,6 +17,8 @@ from sluiceway.models.zoo import load_hf_model, resolve_checkpoint
 from sluiceway.storage.metrics import read_metrics
 from sluiceway.storage.object_store import ObjectStore
 
+pytestmark = pytest.mark.shared_prefect  # its runs use the worker's Prefect server: tests/integration/conftest.py
+
 STATS = ("mismatch_kl", "tis_weight_mean", "tis_clipfrac", "tis_masked_frac", "tis_masked_seq_frac")
 
 

@@ -24,7 +24,10 @@ from sluiceway.storage.metrics import read_metrics
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.trajectories import read_trajectories
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning"),
+    pytest.mark.shared_prefect,  # its runs use the worker's Prefect server: tests/integration/conftest.py
+]
 
 STEPS = 8
 ZERO = str(DATA / "zero_rewards.py") + ":zero"

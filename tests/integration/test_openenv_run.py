@@ -24,6 +24,8 @@ from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.trajectories import is_trainable, read_trajectories
 from sluiceway.tasks.environments.openenv_servers import openenv_python
 
+pytestmark = pytest.mark.shared_prefect  # its runs use the worker's Prefect server: tests/integration/conftest.py
+
 GAME = f"openenv:{DATA / 'openenv_guess.py'}:GuessGame"
 ARGS = ["--prompt-data", GAME, "--openenv-action-parser", f"{DATA / 'openenv_guess_parser.py'}:parse",
         "--openenv-max-turns", "3", "--openenv-turn-tokens", "6", "--rollout-max-response-len", "96",

@@ -29,6 +29,8 @@ from sluiceway.storage.weights.store import WeightStore
 from sluiceway.tasks.rollout.dispatch import PoolDispatcher
 from sluiceway.tasks.rollout.pool_target import PoolTarget, own_engines
 
+pytestmark = pytest.mark.shared_prefect  # its runs use the worker's Prefect server: tests/integration/conftest.py
+
 
 @pytest.mark.parametrize(
     ("flags", "message"),

@@ -20,6 +20,8 @@ from sluiceway.storage.weights.pool_registry import PoolRegistry
 from sluiceway.storage.weights.publish import WeightPublisher
 from sluiceway.storage.weights.store import WeightStore
 
+pytestmark = pytest.mark.shared_prefect  # its runs use the worker's Prefect server: tests/integration/conftest.py
+
 
 def perturbed(base: dict[str, st.RawTensor], step: int) -> dict[str, st.RawTensor]:
     """One small AdamW-like step: a few elements of a few float tensors move by about lr."""

@@ -5,6 +5,8 @@ import pytest
 import torch
 from cli_run import run_cli
 
+pytestmark = pytest.mark.shared_prefect  # its runs use the worker's Prefect server: tests/integration/conftest.py
+
 
 def final_weights(run_dir):
     return torch.load(run_dir / "checkpoints" / "latest" / "tp0.pt", map_location="cpu", weights_only=False)["model"]

@@ -20,6 +20,8 @@ from sluiceway.storage.tables import open_table, table_version
 from sluiceway.storage.trajectories import TRAJECTORIES, read_trajectories
 from sluiceway.tasks.train.replay import open_source, replay_batches, resolve_version
 
+pytestmark = pytest.mark.shared_prefect  # its runs use the worker's Prefect server: tests/integration/conftest.py
+
 
 def sluiceway(cache, *args):
     env = dict(os.environ, SLUICEWAY_CACHE=str(cache))

@@ -12,6 +12,8 @@ from sluiceway.models.zoo import load_hf_model, resolve_checkpoint
 from sluiceway.storage.metrics import read_metrics
 from sluiceway.storage.object_store import ObjectStore
 
+pytestmark = pytest.mark.shared_prefect  # its runs use the worker's Prefect server: tests/integration/conftest.py
+
 
 @pytest.mark.parametrize("policy_loss", ["cispo", "sapo"])
 def test_rloo_with_cispo_or_sapo_trains(tmp_path, policy_loss):

@@ -12,6 +12,8 @@ from sluiceway.models.zoo import load_hf_model, load_tokenizer, resolve_checkpoi
 from sluiceway.storage.metrics import read_metrics
 from sluiceway.storage.object_store import ObjectStore
 
+pytestmark = pytest.mark.shared_prefect  # its runs use the worker's Prefect server: tests/integration/conftest.py
+
 TWO_TURNS = [
     {"role": "user", "content": "What is 2 + 3?"},
     {"role": "assistant", "content": "The answer is 5."},

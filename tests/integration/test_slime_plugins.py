@@ -19,11 +19,14 @@ import os
 import subprocess
 import textwrap
 
+import pytest
 from cli_run import cli_args, run_cli
 
 from sluiceway.storage.metrics import read_metrics
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.trajectories import is_trainable, read_trajectories
+
+pytestmark = pytest.mark.shared_prefect  # its runs use the worker's Prefect server: tests/integration/conftest.py
 
 PLUGIN = """
 from slime.rollout.sglang_rollout import GenerateState

@@ -6,8 +6,11 @@ import importlib.util
 import os
 import subprocess
 
+import pytest
 from deltalake import DeltaTable
 from paths import ROOT
+
+pytestmark = pytest.mark.shared_prefect  # its runs use the worker's Prefect server: tests/integration/conftest.py
 
 
 def load_example():

@@ -22,6 +22,8 @@ from sluiceway.storage.metrics import read_metrics  # noqa: E402
 from sluiceway.storage.object_store import ObjectStore  # noqa: E402
 from sluiceway.storage.trajectories import is_trainable, read_trajectories  # noqa: E402
 
+pytestmark = pytest.mark.shared_prefect  # its runs use the worker's Prefect server: tests/integration/conftest.py
+
 ENVS = DATA / "verifiers_envs"
 
 
