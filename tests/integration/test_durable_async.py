@@ -87,6 +87,7 @@ def test_sigkill_during_rollout_then_resume(tmp_path):
     assert not leftovers, f"processes of the killed run still alive: {leftovers}"
 
 
+@pytest.mark.shared_prefect  # it reads the run's metrics only: tests/integration/conftest.py
 def test_one_step_off_overlaps_rollout_and_training(tmp_path):
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
     # Rollouts of one request at a time and one sample per micro-batch: both stages last seconds, so whether they

@@ -126,6 +126,7 @@ def test_policy_weights_changed(finished_run):
     assert len(changed) >= len(initial) // 2, f"only {len(changed)} of {len(initial)} tensors changed"
 
 
+@pytest.mark.shared_prefect  # the resume reads the run's tables and checkpoint: tests/integration/conftest.py
 def test_rerun_resumes_from_checkpoint_and_table(finished_run):
     run_dir, cache, _ = finished_run
     proc = run_cli(run_dir, cache, "--num-rollout", "3")
