@@ -21,9 +21,8 @@ from sluiceway.storage.object_store import ObjectStore
 SHARED_RUNS = ("two_step_run", "dp2_cli_run", "prefect_server")
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]):
-    # Before every other plugin's hook (xdist's appends the groups to the node ids): each test's group.
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which appends the groups to the node ids
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     group: dict[str, str] = {}
     for item in items:
         shared = next((name for name in SHARED_RUNS if name in getattr(item, "fixturenames", ())), None)
@@ -32,7 +31,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(group[str(item.path)]))
-    return (yield)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -69,7 +69,7 @@ def _seeded_cache(request, tmp_path, warm_cache):
 @pytest.fixture(scope="session")
 def shared_prefect_api(tmp_path_factory, warm_cache) -> str:
     """One Prefect API server per pytest-xdist worker, the one `sluiceway run` starts for itself
-    (infra/prefect_env.py), for the runs of modules marked `shared_prefect`. It dies with the worker."""
+    (infra/prefect_env.py), for the runs of tests marked `shared_prefect`. It dies with the worker."""
     from sluiceway.infra.prefect_env import start_api_server
     from sluiceway.infra.router import stop_process_group
 
@@ -83,10 +83,10 @@ def shared_prefect_api(tmp_path_factory, warm_cache) -> str:
 
 @pytest.fixture(autouse=True)
 def _prefect_api(request, monkeypatch):
-    """A module marked `shared_prefect` runs its flows against the worker's shared Prefect server, as a user who
+    """A test or module marked `shared_prefect` runs its flows against the worker's shared Prefect server, as a user who
     points PREFECT_API_URL at a server does, instead of each run starting its own: that start, and the imports of
-    Prefect's server, are 4-5 s of CPU of a tiny-llama run's 16 (the suite's budget, issue 39 point 6). Only modules
-    whose tests check nothing of the run's own server, its database or its processes are marked; those that do
+    Prefect's server, are 4-5 s of CPU of a tiny-llama run's 16 (the suite's budget, issue 39 point 6). Only tests
+    that check nothing of the run's own server, its database or its processes are marked; those that do
     (signals, kills, credentials, sockets, first use, the Prefect record of a run) start their own, as every run
     without PREFECT_API_URL does. Session and module runs are made before this fixture, with their own server."""
     if request.node.get_closest_marker("shared_prefect") is not None:
