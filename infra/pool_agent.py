@@ -147,9 +147,9 @@ class PoolAgent:
         if latest is not None and (held is None or latest > held):
             self._fetch(latest, held)
         held = self.held
-        self.engines = {}
-        for url in self._urls():
-            self.engines[url] = self._push(url, held)
+        # One assignment: the heartbeat thread and `version` read the map while a poll pushes (a map emptied and
+        # refilled in place read as "no engine serves anything" in between).
+        self.engines = {url: self._push(url, held) for url in self._urls()}
         self._write_status()
         return self.version
 

@@ -152,3 +152,17 @@ def test_an_agent_and_a_pools_file_refuse_what_runs_would_skip(tmp_path):
             load_pools(path)
     path.write_text(f"pools:\n- name: east\n  model: tiny-llama\n  weights_uri: {tmp_path / 'store'}\n")
     assert load_pools(path).pools[0].name == "east"
+
+
+def test_what_the_agent_serves_stays_readable_while_a_poll_pushes(tmp_path):
+    """The heartbeat thread and `version` read the engines' versions while the polling thread pushes: a poll must
+    never show them an empty map ("no engine serves anything"), as one that emptied it first did for the length of
+    its HTTP calls (test_pool_rollouts read `version` None right after a run, once)."""
+    a, _, _ = agent(tmp_path)
+    a.poll_once()
+    assert a.version == 2
+    seen_while_pushing = []
+    push = a._push
+    a._push = lambda url, held: seen_while_pushing.append((a.version, a.status()["engines"])) or push(url, held)
+    a.poll_once()
+    assert seen_while_pushing == [(2, {"http://engine": 2})]
