@@ -14,7 +14,8 @@ OPENENV_STAMP := $(OPENENV_VENV)/.sluiceway-installed
 # pins (openai 2.54, mcp 2.0, ...). Its Python runs a run with a verifiers: source and make test's verifiers tests.
 VERIFIERS_VENV ?= .venv-verifiers
 VERIFIERS_STAMP := $(VERIFIERS_VENV)/.sluiceway-installed
-VERIFIERS_TESTS := tests/unit/rollout/test_verifiers_episodes.py tests/integration/test_verifiers_run.py
+# The run first: the longest test starts at once, while the other worker takes the episodes one by one (`spread`).
+VERIFIERS_TESTS := tests/integration/test_verifiers_run.py tests/unit/rollout/test_verifiers_episodes.py
 PYTEST_ARGS ?=
 
 .PHONY: install demo test test-fast test-avx2 test-all lint clean bench-trl

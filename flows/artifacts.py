@@ -10,8 +10,10 @@
 ``<key>`` is ``sluiceway-<run id>`` in the characters Prefect allows. Nothing here holds credentials: S3
 credentials come from the environment and never enter the config; URLs are shown without user info.
 Artifacts are a report: a failure to write one is logged and never fails the run. The metrics table and the
-curves are refreshed after a step at most every ``REFRESH_EVERY_S`` seconds (reading the metrics table and
-drawing the charts take a few tenths of a second), and always at the end of the run.
+curves are drawn after the first step that ends ``REFRESH_EVERY_S`` seconds into the run, then after a step at
+most every ``REFRESH_EVERY_S`` seconds, and always at the end of the run: reading the metrics table and drawing
+the charts cost about half a second of CPU each time, and a chart of one step shows nothing a run shorter than a
+minute would not show at its end (the progress artifact moves after every step).
 """
 
 from __future__ import annotations
@@ -146,7 +148,7 @@ class RunArtifacts:
         self._progress_id = None
         self._metrics_id = None
         self._curves_id = None
-        self._refreshed = -math.inf  # time.monotonic() of the last refresh of the metrics and curves
+        self._refreshed = time.monotonic()  # of the last refresh of the metrics and curves (none yet: the start)
 
     def _try(self, what: str, fn, *args, **kwargs):
         try:
@@ -185,7 +187,7 @@ class RunArtifacts:
         self._try("progress", update_progress_artifact, self._progress_id, self._pct(done_steps))
 
     def step_done(self, store) -> None:
-        """After a step: refresh the metrics table and the curves unless they were refreshed recently."""
+        """After a step: refresh the metrics table and the curves unless they (or the run) started recently."""
         if time.monotonic() - self._refreshed >= REFRESH_EVERY_S:
             self.finish(store)
 

@@ -17,7 +17,8 @@ from sluiceway.storage.object_store import ObjectStore
 # `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`). A file's tests stay on one worker
 # (their module fixtures are made once), and the files that share a session fixture's run (tests/integration/
 # conftest.py: two_step_run, dp2_cli_run, and the Prefect server prefect_server) go to the same worker, so each
-# shared run (or server) is made once.
+# shared run (or server) is made once. A module marked `spread` (its tests share nothing costly) lets each test go
+# to whichever worker is free: a file of long independent tests no longer runs on one worker while the other idles.
 SHARED_RUNS = ("two_step_run", "dp2_cli_run", "prefect_server")
 
 
@@ -30,7 +31,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             group[str(item.path)] = shared or group.get(str(item.path)) or item.path.name
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(group[str(item.path)]))
+            name = group[str(item.path)]
+            if item.get_closest_marker("spread") is not None and name == item.path.name:
+                name = f"{item.path.name}/{item.name}"  # a group of its own (one shared by files stays shared)
+            item.add_marker(pytest.mark.xdist_group(name))
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -1,4 +1,5 @@
-"""Trajectory rows for the storage tests (imported by name: tests/ is on pytest's pythonpath)."""
+"""Trajectory rows for the storage tests and a run-lock holder for spawned children (imported by name: tests/ is on
+pytest's pythonpath)."""
 
 import datetime as dt
 
@@ -34,3 +35,14 @@ def sample_row(step: int, group: int, sample: int, run_id: str = "run-a", **over
 
 def batch(step: int, groups=(0, 1), samples=2, **over) -> list[dict]:
     return [sample_row(step, g, s, **over) for g in groups for s in range(samples)]
+
+
+def hold_run_lock(run_dir, tables_uri: str, ready, stop) -> None:
+    """Hold run r1's lock until `stop` is set: the body of a spawned child. It lives here, not in a test module,
+    so that the child imports only the lock, not the flows a test module imports (seconds per child)."""
+    from sluiceway.storage import run_lock
+    from sluiceway.storage.object_store import ObjectStore
+
+    with run_lock.hold(run_dir, ObjectStore.from_uri(tables_uri), "r1", "run"):
+        ready.set()
+        stop.wait(60)

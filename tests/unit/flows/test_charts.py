@@ -118,7 +118,10 @@ def test_curves_artifact_embeds_the_png_and_the_run_directory_gets_it(tmp_path, 
     store = ObjectStore.from_uri(cfg.tables_uri)
     _log_run(store, "r", 3)
     arts = RunArtifacts(cfg, 3)
-    arts.step_done(store)  # the first step: refreshed at once
+    arts.step_done(store)  # a step in the run's first minute: nothing drawn yet
+    assert made == {} and updated == []
+    arts._refreshed -= artifacts.REFRESH_EVERY_S  # a minute later
+    arts.step_done(store)  # drawn and created
     md = made["sluiceway-r-curves"]["markdown"]
     found = re.search(r"!\[[^\]]*\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", md)
     assert found, md[:300]

@@ -5,6 +5,7 @@ line naming the first, before anything is prepared."""
 import multiprocessing as mp
 
 import pytest
+from storage_helpers import hold_run_lock
 
 from sluiceway.flows.config import RunConfig, validate_for
 from sluiceway.flows.eval import eval_flow
@@ -12,14 +13,6 @@ from sluiceway.flows.replay import replay_flow
 from sluiceway.flows.rl import rl_flow
 from sluiceway.flows.sft import sft_flow
 from sluiceway.infra.errors import UserError
-from sluiceway.storage import run_lock
-from sluiceway.storage.object_store import ObjectStore
-
-
-def _hold(run_dir, tables, ready, stop):
-    with run_lock.hold(run_dir, ObjectStore.from_uri(tables), "r1", "run"):
-        ready.set()
-        stop.wait(60)
 
 
 def config(run_dir, command):
@@ -41,7 +34,7 @@ def test_a_deployment_flow_on_a_live_run_is_refused(tmp_path, flow, command):
     run_dir = tmp_path / "run"
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Event(), ctx.Event()
-    child = ctx.Process(target=_hold, args=(run_dir, str(run_dir / "tables"), ready, stop))
+    child = ctx.Process(target=hold_run_lock, args=(run_dir, str(run_dir / "tables"), ready, stop))
     child.start()
     try:
         assert ready.wait(60)

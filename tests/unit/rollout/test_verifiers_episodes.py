@@ -22,6 +22,10 @@ from sluiceway.tasks.rollout.agent.verifiers import VerifiersGenerate  # noqa: E
 from sluiceway.tasks.rollout.multiturn import GenerateContext  # noqa: E402
 from sluiceway.tasks.rollout.rollout import PromptItem  # noqa: E402
 
+# Each test builds its own environment and servers: they may run on either worker (the killed tool server's test
+# waits about 20 s on verifiers' retries, while the other worker runs the rest).
+pytestmark = pytest.mark.spread
+
 ENVS = DATA / "verifiers_envs"
 SRC = "verifiers:sw_add_v1"
 NULL = {"agent": {"harness": {"id": "null"}}}
