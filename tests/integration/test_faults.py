@@ -2,7 +2,8 @@
 
 Every run here has a reward that varies (vowel share) and `--lr 1e-3`, so the weights really move and
 "bit-identical to an uninterrupted run" means something: the reference run's final checkpoint (model and Adam
-state) is compared tensor by tensor.
+state) is compared tensor by tensor. Tests of a run's data (rewards, tables, checkpoints, weights) run against the
+worker's shared Prefect server (`shared_prefect`); kills, disk-full and credentials keep the run's own server.
 """
 
 from __future__ import annotations
@@ -206,6 +207,7 @@ def test_a_second_run_on_a_live_directory_is_refused(cache, live_reference):
     assert "holds another run (training.seed differ)" in one_line_error(later, 2)
 
 
+@pytest.mark.shared_prefect
 def test_an_unusable_reward_source_stops_the_run_and_resume_scores_again(tmp_path, cache, reference):
     run_dir, marker = tmp_path / "run", tmp_path / "rm-broken"
     marker.touch()
@@ -233,6 +235,7 @@ def vowel_share_but_one_nan(response, label, sample):
 """
 
 
+@pytest.mark.shared_prefect
 def test_a_nan_reward_fails_its_sample_and_the_run_goes_on(tmp_path, cache):
     """A scorer returning NaN for one sample of step 1: that sample is stored failed (reward 0 with its reason), as
     a scorer that raises; no NaN reaches a table or the weights, and the run finishes (once it stopped at step 1
@@ -257,6 +260,7 @@ def test_a_nan_reward_fails_its_sample_and_the_run_goes_on(tmp_path, cache):
     assert checkpoint_step(run_dir) == STEPS - 1
 
 
+@pytest.mark.shared_prefect
 def test_a_nan_reward_stored_by_an_older_build_is_scored_again_on_resume(tmp_path, cache, two_steps):
     """A table from before the reward check holds a NaN reward in a step still to train: a resume scores that
     sample again (the ledger says the step is scored) and trains, instead of failing with `non-finite loss`."""
@@ -311,6 +315,7 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
+@pytest.mark.shared_prefect
 def test_damaged_state_is_one_line_never_a_silent_success(tmp_path, reference, cache, damage):
     run_dir = copy_run(reference, tmp_path)
     harm, expected = DAMAGE[damage]
@@ -320,6 +325,7 @@ def test_damaged_state_is_one_line_never_a_silent_success(tmp_path, reference, c
     assert expected in line, line
 
 
+@pytest.mark.shared_prefect
 def test_a_damaged_checkpoint_moved_away_retrains_to_the_same_weights(tmp_path, reference, cache):
     run_dir = copy_run(reference, tmp_path)
     _truncate_checkpoint(run_dir)
@@ -345,6 +351,7 @@ def _flip_weights_byte(model_file: Path) -> str:
     return name
 
 
+@pytest.mark.shared_prefect
 def test_a_damaged_weight_version_is_rebuilt_from_the_checkpoint_on_resume(tmp_path, reference, cache, two_steps):
     """The version a resume loads on its engines is checked against the checksums written with it; a damaged one
     is written again from the (verified) checkpoint with a warning, and the run ends as an undamaged one."""
@@ -368,6 +375,7 @@ def test_a_damaged_weight_version_is_rebuilt_from_the_checkpoint_on_resume(tmp_p
     assert f"writing v{STEPS - 1} again from the checkpoint's weights" in warnings[0]
 
 
+@pytest.mark.shared_prefect
 def test_a_truncated_commit_rolled_back_by_hand_resumes(tmp_path, reference, cache):
     run_dir = copy_run(reference, tmp_path)
     _truncate_newest_commit(run_dir)

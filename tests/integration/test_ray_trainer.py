@@ -99,6 +99,7 @@ def three_nodes(cluster):
         c.remove_node(node)
 
 
+@pytest.mark.shared_prefect
 def test_sluiceway_run_on_a_ray_cluster(tmp_path, three_nodes):
     """`sluiceway run --ray-address`: trainer ranks on two nodes, the engine on a third; then nothing of the run
     is left on the cluster."""
