@@ -17,6 +17,7 @@ import time
 
 import pytest
 from cli_run import BATCH, N, run_cli
+from paths import DATA
 
 from sluiceway.flows.pools import PoolsFile, PoolSpec, local_pools
 from sluiceway.infra.proc import free_port
@@ -30,6 +31,9 @@ from sluiceway.tasks.rollout.dispatch import PoolDispatcher
 from sluiceway.tasks.rollout.pool_target import PoolTarget, own_engines
 
 pytestmark = pytest.mark.shared_prefect  # its runs use the worker's Prefect server: tests/integration/conftest.py
+
+PACED = f"{DATA / 'gated_generate.py'}:generate"
+PACE_S = 0.5  # seconds each sample waits before it generates: no CPU, time for east to load each new version
 
 
 @pytest.mark.parametrize(
@@ -63,10 +67,14 @@ def test_run_takes_groups_from_remote_pools_without_waiting_for_slow_ones(tmp_pa
         PoolRegistry(wstore).write(PoolRecord(pool="dead", serving=0))  # claims v0; nothing listens
         dead = f"http://127.0.0.1:{free_port()}"
         steps = 4
+        # Each sample first waits PACE_S (tests/data/gated_generate.py): a tiny-llama step is otherwise shorter than
+        # east's catching up (its poll, the delta, the run's next read of the pools), and every group of a new
+        # version could go to the run's own engines before east qualified (the fresh-clone suite saw it once).
         proc = run_cli(
             run_dir, cache, "--num-rollout", str(steps), "--mode", "fully-async", "--max-staleness", "1",
             "--rollout-max-concurrency", str(N), "--update-weight-mode", "delta", "--weights-uri", str(weights),
             "--rollout-pools", f"east={east.url}", f"west={west.url}", f"dead={dead}",
+            "--custom-generate-function-path", PACED, env={"SLUICEWAY_TEST_PACE_S": str(PACE_S)},
         )  # fmt: skip
         assert east.agent.version == steps  # it loaded the last version the run published
     # "dead" was given a group, which failed (benched) or was hedged on the run's own engines first.
