@@ -109,7 +109,10 @@ def test_pools_join_drain_and_vanish_during_a_run(tmp_path):
     wstore = WeightStore(ObjectStore.from_uri(str(weights)))
     registry = PoolRegistry(wstore)
     gate = tmp_path / "hold"
-    steps = 10
+    # Steps enough that the run is still generating when B is killed: from step 7 to step 8 the test drains A
+    # (a CLI start, A's exit, the run's next read of the pools) while the run goes on, and with 10 steps a fast
+    # run once finished during it, before B could fall silent.
+    steps = 14
     env = dict(os.environ, SLUICEWAY_CACHE=str(cache), SLUICEWAY_TEST_PACE_S="1.0", SLUICEWAY_TEST_GATE=str(gate))
     args = cli_args(
         run_dir, "--num-rollout", str(steps), "--mode", "fully-async", "--max-staleness", "1",
