@@ -37,12 +37,12 @@ def batch(step: int, groups=(0, 1), samples=2, **over) -> list[dict]:
     return [sample_row(step, g, s, **over) for g in groups for s in range(samples)]
 
 
-def hold_run_lock(run_dir, tables_uri: str, ready, stop) -> None:
-    """Hold run r1's lock until `stop` is set: the body of a spawned child. It lives here, not in a test module,
-    so that the child imports only the lock, not the flows a test module imports (seconds per child)."""
+def hold_run_lock(run_dir, store, ready, stop) -> None:
+    """Hold run r1's lock on `run_dir` and `store` until `stop` is set: the body of a spawned child. It lives here,
+    not in a test module, so that the child imports only the lock, not the flows a test module imports (seconds
+    per child)."""
     from sluiceway.storage import run_lock
-    from sluiceway.storage.object_store import ObjectStore
 
-    with run_lock.hold(run_dir, ObjectStore.from_uri(tables_uri), "r1", "run"):
+    with run_lock.hold(run_dir, store, "r1", "run"):
         ready.set()
         stop.wait(60)

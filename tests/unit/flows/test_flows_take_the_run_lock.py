@@ -13,6 +13,7 @@ from sluiceway.flows.replay import replay_flow
 from sluiceway.flows.rl import rl_flow
 from sluiceway.flows.sft import sft_flow
 from sluiceway.infra.errors import UserError
+from sluiceway.storage.object_store import ObjectStore
 
 
 def config(run_dir, command):
@@ -34,7 +35,8 @@ def test_a_deployment_flow_on_a_live_run_is_refused(tmp_path, flow, command):
     run_dir = tmp_path / "run"
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Event(), ctx.Event()
-    child = ctx.Process(target=hold_run_lock, args=(run_dir, str(run_dir / "tables"), ready, stop))
+    tables = ObjectStore.from_uri(str(run_dir / "tables"))
+    child = ctx.Process(target=hold_run_lock, args=(run_dir, tables, ready, stop))
     child.start()
     try:
         assert ready.wait(60)

@@ -8,22 +8,17 @@ import socket
 import time
 
 import pytest
+from storage_helpers import hold_run_lock
 
 from sluiceway.infra.errors import Fault, UserError
 from sluiceway.storage import run_lock
 from sluiceway.storage.run_lock import RunLock, _Lease
 
 
-def _hold_in_child(run_dir, store, ready, stop):
-    with run_lock.hold(run_dir, store, "r1", "run"):
-        ready.set()
-        stop.wait(60)
-
-
 def test_second_holder_is_refused_and_names_the_first(tmp_path, store):
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Event(), ctx.Event()
-    child = ctx.Process(target=_hold_in_child, args=(tmp_path / "run", store, ready, stop))
+    child = ctx.Process(target=hold_run_lock, args=(tmp_path / "run", store, ready, stop))
     child.start()
     try:
         assert ready.wait(60)
@@ -46,7 +41,7 @@ def test_second_holder_is_refused_and_names_the_first(tmp_path, store):
 def test_a_killed_holder_is_taken_over_at_once_on_its_host(tmp_path, store, caplog):
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Event(), ctx.Event()
-    child = ctx.Process(target=_hold_in_child, args=(tmp_path / "run", store, ready, stop))
+    child = ctx.Process(target=hold_run_lock, args=(tmp_path / "run", store, ready, stop))
     child.start()
     assert ready.wait(60)
     child.kill()
