@@ -14,15 +14,30 @@ torch 2.13's CPU kernels (AVX-512 and AVX2):
 - a sum over the last dimension of fewer rows than threads splits each row between the threads (another
   order): `row_sums` gives every row a thread's worth of company;
 - the rest (norms, RoPE, SwiGLU, the scores' product) was found invariant as it is.
+
+On a CPU with AMX (issue 51) oneDNN's bf16 products are not row-invariant: its brgemm kernels block the inner
+dimension by the number of rows, so a SmolLM2-wide row (576 or 1536 inner) gets other bits at 16 or 32 rows
+than at 64-128, and others again at 256 or more, with 1 thread as with 2 (measured on a 2-core Xeon with
+amx_bf16, torch 2.13's oneDNN; products with an inner dimension of 256 or less were invariant). A call of
+exactly `ROW_BLOCK` rows gives a row the same bits wherever it sits in the block and at any thread count, so
+there `stable_linear` runs every bf16 product in such calls (the last one padded): the engine's decode rows, its
+prefills and the trainer's forward take the same kernel. `rows_vary` tells, by measuring, whether this process
+needs it; on CPUs without AMX it says no and nothing changes (or costs anything).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 KEY_MULTIPLE = 64  # >= the widest vector (16 fp32 lanes) times the kernels' unrolling
+# Rows per bf16 product where rows vary: 64 rows ran SmolLM2's products at 650-740 GFLOP/s on the AMX Xeon (2
+# threads; fp32 240-310, one unblocked 2,048-row product 900-2,400), and a decode step padded to 64 rows still ran
+# faster than fp32 at 4-32 rows. Fewer rows per call was slower for training; more, slower for decode.
+ROW_BLOCK = 64
 
 
 def padded_span(n: int) -> int:
@@ -62,3 +77,35 @@ def single_row_safe(x: Tensor) -> tuple[Tensor, bool]:
     if x.numel() != x.size(-1):
         return x, False
     return x.reshape(1, x.size(-1)).expand(2, -1), True
+
+
+@functools.cache
+def rows_vary(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether a row's CPU product in `dtype` depends on how many rows run with it (as on AMX: module docstring).
+    Measured once per process at SmolLM2's q/k/v shape (a few small products, about 10 ms). A lone row is not
+    asked about: `single_row_safe` covers the kernel AVX-512 takes for it."""
+    if dtype == torch.float32:
+        return False
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1728, 576, generator=g).to(dtype)
+    x = torch.randn(4 * ROW_BLOCK, 576, generator=g).to(dtype)
+    with torch.inference_mode():
+        block = F.linear(x[:ROW_BLOCK], w)
+        return not all(torch.equal(F.linear(x[:m], w), block[:m]) for m in (2, 16, 32)) or not torch.equal(
+            F.linear(x, w)[:ROW_BLOCK], block
+        )
+
+
+def stable_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, product=F.linear) -> Tensor:
+    """`product(x, weight, bias)` (F.linear's contract, x [..., in]) computed `ROW_BLOCK` rows at a time, the last
+    block padded with zero rows: each row gets the bits it gets in any other batch. `product` may be another
+    function of the same contract (the engine's packed weights)."""
+    rows = x.reshape(-1, x.size(-1))
+    n = rows.size(0)
+    if n == 0:
+        return product(x, weight, bias)
+    pad = -n % ROW_BLOCK
+    if pad:
+        rows = F.pad(rows, (0, 0, 0, pad))
+    out = torch.cat([product(block, weight, bias) for block in rows.split(ROW_BLOCK)])
+    return out[:n].reshape(*x.shape[:-1], out.size(-1))

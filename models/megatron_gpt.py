@@ -35,8 +35,10 @@ from sluiceway.models.fused_logprobs import (
     or_eager,
     token_logprob_entropy,
 )
+from sluiceway.models.batch_invariant import rows_vary
 from sluiceway.models.megatron_attention import cpu_layer_spec
 from sluiceway.models.megatron_import import megatron_import, traceable_linear_layers
+from sluiceway.models.megatron_row_blocks import use_row_blocks
 
 with megatron_import():  # quiet, and torch.compile deferred (models/megatron_import.py)
     from megatron.core import parallel_state, tensor_parallel
@@ -375,6 +377,8 @@ def build_gpt_model(
         if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
             module.to(dtype)
     model = model.to(device)
+    if device.type == "cpu" and dtype != torch.float32 and rows_vary(dtype):
+        use_row_blocks(model)  # the engine's row blocks on AMX: same log-probs (models/megatron_row_blocks.py)
     if compile_layers_on(device):
         compile_layers(model)
     return model

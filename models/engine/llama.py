@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sluiceway.models.batch_invariant import masked_attention, padded_span, single_row_safe
+from sluiceway.models.batch_invariant import masked_attention, padded_span, rows_vary, single_row_safe, stable_linear
 from sluiceway.models.engine import packed_linear
 from sluiceway.models.engine.kv_cache import SlotKVCache
 
@@ -103,6 +103,9 @@ class LlamaRunner:
         inv_freq, self.rope_scaling = rope_inv_freq(config)
         self.inv_freq = inv_freq
         self.pack_weights = packed_linear.available(dtype) if pack_weights is None else pack_weights
+        # Where this CPU's bf16 products depend on the rows beside a row (AMX), every product runs in blocks of
+        # the same rows as the trainer's (models/batch_invariant.py `stable_linear`).
+        self.row_blocks = dtype != torch.float32 and rows_vary(dtype)
         self.w: dict[str, Tensor] = {}
         self.packed: dict[str, Tensor] = {}  # name -> packed weight; such a name has no plain tensor in self.w
         self.load_state_dict(state_dict)
@@ -192,8 +195,12 @@ class LlamaRunner:
 
     # ---------------------------------------------------------------------------------------------- forward
     def _linear(self, x: Tensor, name: str, bias: Tensor | None = None) -> Tensor:
-        rows, single = single_row_safe(x)  # a lone decode row gets the bits the trainer's batch gives it
         packed = self.packed.get(name)
+        if self.row_blocks:
+            if packed is not None:
+                return stable_linear(x, packed, bias, packed_linear.linear)
+            return stable_linear(x, self.w[name], bias)
+        rows, single = single_row_safe(x)  # a lone decode row gets the bits the trainer's batch gives it
         out = packed_linear.linear(rows, packed, bias) if packed is not None else F.linear(rows, self.w[name], bias)
         return out[:1].reshape(*x.shape[:-1], out.size(-1)) if single else out
 
@@ -231,7 +238,7 @@ class LlamaRunner:
 
     def _logits(self, x: Tensor) -> Tensor:
         x = self._rms(x, self.w["model.norm.weight"])
-        if "lm_head.weight" in self.packed:
+        if "lm_head.weight" in self.packed or self.row_blocks:
             return self._linear(x, "lm_head.weight").float()
         w = self.w["lm_head.weight"]
         if x.dim() == 2 and x.dtype == torch.float32:

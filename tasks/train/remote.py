@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -23,6 +24,23 @@ from sluiceway.tasks.train.worker import recv, send
 
 class TrainerGroupError(RuntimeError):
     """The trainer process group failed; the message carries the remote error or the tail of its log."""
+
+
+def first_rank_error(error_dir: Path) -> str:
+    """'rank N: <its error line>' of the rank that failed first (tasks/train/worker.py `record_failure`), or ''."""
+    records = []
+    for path in error_dir.glob("rank*.error"):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    records = [r for r in records if isinstance(r, dict) and {"rank", "time", "error"} <= r.keys()]
+    if not records:
+        return ""
+    first = min(records, key=lambda r: (r["time"], r["rank"]))
+    others = sorted(r["rank"] for r in records if r is not first)
+    also = f" (rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed too)" if others else ""
+    return f"rank {first['rank']}: {first['error']}{also}"
 
 
 class TrainerGroup:
@@ -86,12 +104,16 @@ class RemoteTrainer(TrainerGroup):
         key = secrets.token_bytes(32)
         control_file = self.work_dir / "trainer_control"
         control_file.unlink(missing_ok=True)  # a previous group's address
+        self.error_dir = self.work_dir / "trainer_errors"
+        shutil.rmtree(self.error_dir, ignore_errors=True)  # a previous group's failures
+        self.error_dir.mkdir()
         env = child_env(  # no credentials: the driver does every store call (infra/proc.py)
             SLUICEWAY_TRAINER_INIT=str(init_file),
             SLUICEWAY_TRAINER_CONTROL=f"{LOOPBACK}:0",
             SLUICEWAY_TRAINER_CONTROL_FILE=str(control_file),
             SLUICEWAY_TRAINER_AUTHKEY=key.hex(),
             SLUICEWAY_TRAINER_THREADS=str(threads_per_proc),
+            SLUICEWAY_TRAINER_ERROR_DIR=str(self.error_dir),
             OMP_NUM_THREADS=str(threads_per_proc),
         )
         cmd = [
@@ -123,15 +145,22 @@ class RemoteTrainer(TrainerGroup):
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise TrainerGroupError(f"trainer group exited with {self.proc.returncode} at start{self._log_tail()}")
+                raise TrainerGroupError(
+                    f"trainer group exited with {self.proc.returncode} at start{self._cause()}{self._log_tail()}"
+                )
             try:
                 host, port = control_file.read_text().rsplit(":", 1)
                 return Client((host, int(port)), authkey=key)
             except (FileNotFoundError, ConnectionRefusedError):
                 if time.monotonic() > deadline:
-                    msg = f"trainer group did not start within {timeout_s:.0f}s{self._log_tail()}"
+                    msg = f"trainer group did not start within {timeout_s:.0f}s{self._cause()}{self._log_tail()}"
                     raise TrainerGroupError(msg) from None
                 time.sleep(0.2)
+
+    def _cause(self) -> str:
+        # The failing rank's own line, not torchrun's summary of exit codes (which ends the log).
+        first = first_rank_error(self.error_dir)
+        return f": {first}" if first else ""
 
     def _log_tail(self, lines: int = 30) -> str:
         try:
@@ -145,9 +174,12 @@ class RemoteTrainer(TrainerGroup):
             status, value = recv(self.conn)
         except (EOFError, ConnectionError, OSError):
             self.proc.wait(timeout=60)
-            raise TrainerGroupError(f"trainer group died (exit {self.proc.returncode}){self._log_tail()}") from None
+            cause = self._cause()
+            raise TrainerGroupError(f"trainer group died (exit {self.proc.returncode}){cause}{self._log_tail()}") from None
         if status == "error":
-            raise TrainerGroupError(f"trainer rank 0: {value}")
+            first = first_rank_error(self.error_dir)  # rank 0's error may only be that another rank went first
+            cause = f"\n(first failure: {first})" if first and not first.startswith("rank 0:") else ""
+            raise TrainerGroupError(f"trainer rank 0: {value}{cause}")
         return value
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:

@@ -10,6 +10,11 @@ the group does.
     SLUICEWAY_TRAINER_CONTROL   host:port rank 0 listens on (loopback; port 0: one the OS picks)
     SLUICEWAY_TRAINER_CONTROL_FILE  where rank 0 then writes the host:port it listens on (optional)
     SLUICEWAY_TRAINER_AUTHKEY   hex key the driver must present (kept out of argv, so out of `ps` and logs)
+    SLUICEWAY_TRAINER_ERROR_DIR where a rank that fails writes `rank<N>.error`: its own error line first (optional)
+
+A rank that fails records its error before it exits: torchrun then stops the others and ends its log with a
+summary of exit codes that does not say why, and under load the failing rank's traceback can be far above it.
+The driver reads these files (tasks/train/remote.py `first_rank_error`) and names the first failure's cause.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import json
 import os
 import pickle
 import sys
+import time
 import traceback
 from multiprocessing.connection import Listener
 
@@ -54,8 +60,37 @@ def _broadcast(obj):
     return box[0]
 
 
+def record_failure(rank: int, exc: BaseException) -> None:
+    """Write `rank<N>.error` under SLUICEWAY_TRAINER_ERROR_DIR: the time (which rank failed first), the error's
+    one line, then its traceback. Never raises: the rank is failing already."""
+    where = os.environ.get("SLUICEWAY_TRAINER_ERROR_DIR")
+    if not where:
+        return
+    line = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+    text = json.dumps({"rank": rank, "time": time.time(), "error": line,
+                       "traceback": "".join(traceback.format_exception(exc))})  # fmt: skip
+    path = os.path.join(where, f"rank{rank}.error")
+    if os.path.exists(path):
+        return  # this rank's first failure is the one that says why
+    try:
+        with open(f"{path}.tmp", "w") as f:
+            f.write(text)
+        os.replace(f"{path}.tmp", path)  # the driver never reads half a record
+    except OSError:
+        pass
+
+
 def serve() -> None:
     rank = int(os.environ["RANK"])
+    try:
+        _serve(rank)
+    except BaseException as exc:
+        if not isinstance(exc, SystemExit | KeyboardInterrupt):
+            record_failure(rank, exc)
+        raise
+
+
+def _serve(rank: int) -> None:
     torch.set_num_threads(int(os.environ.get("SLUICEWAY_TRAINER_THREADS", "1")))
     with open(os.environ["SLUICEWAY_TRAINER_INIT"]) as f:
         init = json.load(f)
@@ -64,6 +99,7 @@ def serve() -> None:
         trainer = _build(init)  # every rank: this joins the process group
     except Exception as exc:
         failure = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        record_failure(rank, exc)  # before anything else: torchrun may stop this rank when another one exits
         if rank != 0:
             raise
     if rank != 0:
