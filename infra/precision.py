@@ -38,7 +38,7 @@ PRECISIONS = ("auto", "bf16", "fp32")
 MIN_SPEEDUP = 1.8
 # Environment variables that change which CPU kernels torch and oneDNN run (part of the cache key).
 ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
-_PROBE_VERSION = 2  # 2: a layer's training and decode work, not one product
+_PROBE_VERSION = 3  # 2: a layer's training and decode work, not one product; 3: by role, row blocks where they run
 
 
 @dataclass(frozen=True)
@@ -53,14 +53,22 @@ class Choice:
 
 @dataclass(frozen=True)
 class CpuProbe:
-    fp32_gflops: float
+    fp32_gflops: float  # the whole step's work (training and decode together)
     bf16_gflops: float
     threads: int
+    train_speedup: float = 0.0  # bf16's rate over fp32's for each role alone (0: not measured)
+    decode_speedup: float = 0.0
 
     @property
     def speedup(self) -> float:
-        """bf16's rate over fp32's (above 1: bf16 is faster)."""
+        """bf16's rate over fp32's for the whole step's work (above 1: bf16 is faster)."""
         return self.bf16_gflops / self.fp32_gflops if self.fp32_gflops > 0 else 0.0
+
+    def roles(self) -> str:
+        """'training 3.1x, decode 1.4x' (bf16 over fp32 by role), or '' for a probe that did not measure them."""
+        if not (self.train_speedup and self.decode_speedup):
+            return ""
+        return f"training {self.train_speedup:.2f}x, decode {self.decode_speedup:.2f}x"
 
 
 def read_cpuinfo(path: str = "/proc/cpuinfo") -> tuple[str, str | None, set[str]]:
@@ -103,24 +111,28 @@ _TRAIN_ROWS, _TRAIN_T, _DECODE_ROWS, _DECODE_SPAN = 2, 64, 16, 64
 def _layer_workload(dtype, weights, grad: bool, rows: int, t: int, span: int):
     """One layer's forward (and backward with `grad`): RMSNorm, q/k/v, attention over `span` keys with an fp32
     softmax, output projection, RMSNorm, SwiGLU MLP. In bf16 the weights are cast from fp32 masters first (the
-    trainer's cost on every step)."""
+    trainer's cost on every step), and where this CPU's products vary with their rows (AMX) they run in the row
+    blocks the engine and the trainer then use (models/batch_invariant.py)."""
     import torch
     import torch.nn.functional as F
 
+    from sluiceway.models.batch_invariant import RowBlockLinear, rows_vary
+
+    linear = RowBlockLinear.apply if dtype != torch.float32 and rows_vary(dtype) else F.linear
     ws = [w.to(dtype) for w in weights] if dtype != torch.float32 else weights
     qkv, o, gate_up, down = ws
     x = torch.randn(rows, t, _H, dtype=dtype, requires_grad=grad)
     h = F.rms_norm(x, (_H,), None, 1e-5)
-    q, k, v = F.linear(h, qkv).split([_HEADS * _HD, _KV * _HD, _KV * _HD], dim=-1)
+    q, k, v = linear(h, qkv).split([_HEADS * _HD, _KV * _HD, _KV * _HD], dim=-1)
     q = q.view(rows, t, _KV, _HEADS // _KV * _HD).transpose(1, 2).reshape(rows, _KV, -1, _HD)
     k, v = (z.view(rows, t, _KV, _HD).transpose(1, 2) for z in (k, v))
     if span > t:  # a decode step: the new key joins `span - t` cached ones
         k, v = (torch.cat([z.new_ones(rows, _KV, span - t, _HD), z], dim=2) for z in (k, v))
     probs = torch.softmax(torch.matmul(q, k.transpose(-1, -2)).float() * _HD**-0.5, dim=-1)
     att = torch.matmul(probs.to(dtype), v).reshape(rows, _KV, _HEADS // _KV, t, _HD).permute(0, 3, 1, 2, 4)
-    x = x + F.linear(att.reshape(rows, t, _HEADS * _HD), o)
-    g, u = F.linear(F.rms_norm(x, (_H,), None, 1e-5), gate_up).chunk(2, dim=-1)
-    out = x + F.linear(F.silu(g) * u, down)
+    x = x + linear(att.reshape(rows, t, _HEADS * _HD), o)
+    g, u = linear(F.rms_norm(x, (_H,), None, 1e-5), gate_up).chunk(2, dim=-1)
+    out = x + linear(F.silu(g) * u, down)
     if grad:
         out.float().sum().backward()
 
@@ -131,38 +143,43 @@ def _layer_flops(grad: bool, rows: int, t: int, span: int) -> float:
     return (matmul + attention) * (3 if grad else 1)
 
 
-def _rates(threads: int, budget_s: float = 0.6) -> tuple[float, float]:
+def _rates(threads: int, budget_s: float = 0.6) -> tuple[float, float, float, float]:
     """fp32 and bf16 GFLOP/s of what a step does, at one layer of SmolLM2's widths: a training micro-batch's
     forward and backward (2 rows x 64 tokens) plus a decode step's forward (16 rows, 64 keys), softmax, norms,
-    activations and bf16's cast of the fp32 masters included. A single matrix product said 3.9x where whole steps
-    ran 1.2-1.3x faster in bf16 (issue 31): what does not speed up counts here. The dtypes alternate and each
-    keeps its best time, so a load from other processes falls on both."""
+    activations and bf16's cast of the fp32 masters included; then bf16's speedup for each role alone. A single
+    matrix product said 3.9x where whole steps ran 1.2-1.3x faster in bf16 (issue 31): what does not speed up
+    counts here. The dtypes alternate and each keeps its best time, so a load from other processes falls on both."""
     import torch
 
     g = torch.Generator().manual_seed(0)
     shapes = [((_HEADS + 2 * _KV) * _HD, _H), (_H, _HEADS * _HD), (2 * _FF, _H), (_H, _FF)]
     weights = [torch.randn(*s, generator=g) * 0.02 for s in shapes]
 
-    def step(dtype) -> None:
+    def train(dtype) -> None:
         _layer_workload(dtype, [w.requires_grad_(True) for w in weights], True, _TRAIN_ROWS, _TRAIN_T, _TRAIN_T)
+
+    def decode(dtype) -> None:
         with torch.inference_mode():
             _layer_workload(dtype, [w.detach() for w in weights], False, _DECODE_ROWS, 1, _DECODE_SPAN)
 
     dtypes = [torch.float32, torch.bfloat16]
-    best = [float("inf")] * 2
+    best = {(role, d): float("inf") for role in (train, decode) for d in dtypes}
     for d in dtypes:
-        step(d)  # first call: kernel selection and packing, not timed
+        train(d), decode(d)  # first calls: kernel selection and packing, not timed
     spent = 0.0
     for _ in range(20):
-        for i, d in enumerate(dtypes):
+        for role, d in best:
             t0 = time.perf_counter()
-            step(d)
+            role(d)
             dt = time.perf_counter() - t0
-            best[i], spent = min(best[i], dt), spent + dt
+            best[role, d], spent = min(best[role, d], dt), spent + dt
         if spent > budget_s:
             break
-    flops = (_layer_flops(True, _TRAIN_ROWS, _TRAIN_T, _TRAIN_T) + _layer_flops(False, _DECODE_ROWS, 1, _DECODE_SPAN))
-    return flops / 1e9 / best[0], flops / 1e9 / best[1]
+    f32, b16 = torch.float32, torch.bfloat16
+    flops = _layer_flops(True, _TRAIN_ROWS, _TRAIN_T, _TRAIN_T) + _layer_flops(False, _DECODE_ROWS, 1, _DECODE_SPAN)
+    fp32_s, bf16_s = best[train, f32] + best[decode, f32], best[train, b16] + best[decode, b16]
+    return (flops / 1e9 / fp32_s, flops / 1e9 / bf16_s,
+            best[train, f32] / best[train, b16], best[decode, f32] / best[decode, b16])  # fmt: skip
 
 
 def probe_cpu(refresh: bool = False) -> CpuProbe:
@@ -176,7 +193,8 @@ def probe_cpu(refresh: bool = False) -> CpuProbe:
             return CpuProbe(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError):
             pass
-    probe = CpuProbe(*_rates(threads), threads)
+    fp32, bf16, train, decode = _rates(threads)
+    probe = CpuProbe(fp32, bf16, threads, train, decode)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -201,15 +219,17 @@ def choose(requested: str, device: str = "cpu") -> Choice:
         return Choice("fp32", "auto: this CUDA device has no native bf16")
     p = probe_cpu()
     rates = f"{p.bf16_gflops:.1f} vs {p.fp32_gflops:.1f} GFLOP/s, {p.threads} threads"
+    if p.roles():
+        rates += f"; by role {p.roles()}"
     if p.speedup >= MIN_SPEEDUP:
         return Choice(
             "bf16",
             f"auto: a layer's training and decode work runs {p.speedup:.1f}x fp32's rate in bf16 here ({rates}) on "
-            f"{cpu_description()}; in bf16 the engine and the trainer give a token the same log-prob (learning against "
-            "fp32: docs/benchmarks.md)",
+            f"{cpu_description()}; bf16 for the trainer and the engines, which give a token the same log-prob "
+            "(learning against fp32: docs/benchmarks.md)",
         )
     return Choice(
         "fp32",
         f"auto: a layer's training and decode work runs at only {p.speedup:.2f}x fp32's rate in bf16 here ({rates}) "
-        f"on {cpu_description()}, under the {MIN_SPEEDUP}x that bf16 must win by",
+        f"on {cpu_description()}, under the {MIN_SPEEDUP}x that bf16 must win by; fp32 for the trainer and the engines",
     )

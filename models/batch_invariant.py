@@ -109,3 +109,26 @@ def stable_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, product
         rows = F.pad(rows, (0, 0, 0, pad))
     out = torch.cat([product(block, weight, bias) for block in rows.split(ROW_BLOCK)])
     return out[:n].reshape(*x.shape[:-1], out.size(-1))
+
+
+class RowBlockLinear(torch.autograd.Function):
+    """F.linear(x, weight, bias) whose forward is `stable_linear` and whose backward is the plain product's
+    (grad x = g W, all-reduced over `tp_group` when given; grad weight = g^T x; grad bias = sum of g), so only the
+    forward's bits change. The trainer's linear layers on CPUs where rows vary (models/megatron_row_blocks.py)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None = None, tp_group=None) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.use_bias, ctx.tp_group = bias is not None, tp_group
+        return stable_linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        if grad_x is not None and ctx.tp_group is not None:
+            torch.distributed.all_reduce(grad_x, group=ctx.tp_group)
+        g2 = grad.reshape(-1, grad.size(-1))
+        grad_w = g2.t().matmul(x.reshape(-1, x.size(-1))) if ctx.needs_input_grad[1] else None
+        grad_b = g2.sum(dim=0) if ctx.use_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sluiceway.models.batch_invariant import masked_attention
+from sluiceway.models.batch_invariant import masked_attention, padded_span
 from sluiceway.models.megatron_import import megatron_import
 
 with megatron_import():  # quiet, and torch.compile deferred (models/megatron_import.py)
@@ -146,14 +146,52 @@ def _explicit_causal_attention(
     causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
     if forbidden is None:
         return masked_attention(q, k, v, causal, scale)
-    out = q.new_empty(q.shape)
-    for row in range(q.size(0)):
+    # [b * s, h, d]: a query's or key's heads are one gather away (index_select, whose backward is index_add_).
+    b, h, s, d = q.shape
+    qs, ks, vs = (t.transpose(1, 2).reshape(b * s, h, d) for t in (q, k, v))
+    kept_at, kept = [], []
+    for queries, query_real, keys, key_pad in _group_batches(forbidden):
+        n_groups, nq = queries.shape
+        pick = lambda t, at: t.index_select(0, at.flatten()).view(n_groups, at.size(1), h, d).transpose(1, 2)  # noqa: E731
+        blocked = (keys[:, None, :] > queries[:, :, None]) | key_pad[:, None, :]  # causal, in the row's positions
+        got = masked_attention(pick(qs, queries), pick(ks, keys), pick(vs, keys), blocked[:, None], scale)
+        # A padded query slot repeats a real one: only the real slots are kept (and get a gradient).
+        kept_at.append(queries[query_real])
+        kept.append(got.transpose(1, 2)[query_real])
+    out = qs.new_zeros(qs.shape).index_copy(0, torch.cat(kept_at), torch.cat(kept))
+    return out.view(b, s, h, d).transpose(1, 2)
+
+
+def _group_batches(forbidden: Tensor) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """The attention groups of every row of `forbidden` ([b, 1, s, s], True = may not attend), batched: groups
+    whose query counts round to the same `padded_span` share one product (a long prompt's group does not pad a
+    hundred short responses' to its length). Each batch is (queries [G, Q], query_real [G, Q], keys [G, K],
+    key_pad [G, K]): queries and keys as positions in the flattened [b * s] rows, short groups padded with their
+    last query (computed, not kept) and with masked keys. A query meets its keys at positions 0, 1, ... of the
+    product as in the engine's cache; the padding only widens the key span, which masked_attention makes
+    bit-neutral. Made once per mask and kept on it: every layer of a forward (and its recompute) gets the same
+    mask object, and this is a Python loop over rows and groups."""
+    cached = getattr(forbidden, "_sluiceway_group_batches", None)
+    if cached is not None:
+        return cached
+    b, s = forbidden.size(0), forbidden.size(-1)
+    buckets: dict[int, list[tuple[Tensor, Tensor]]] = {}
+    for row in range(b):
         for queries, keys in _attention_groups(forbidden[row, 0]):
-            blocked = keys[None, :] > queries[:, None]  # causal, in the row's own positions
-            qg = q[row : row + 1].index_select(2, queries)
-            kg, vg = k[row : row + 1].index_select(2, keys), v[row : row + 1].index_select(2, keys)
-            out[row : row + 1].index_copy_(2, queries, masked_attention(qg, kg, vg, blocked, scale))
-    return out
+            buckets.setdefault(padded_span(queries.numel()), []).append((queries + row * s, keys + row * s))
+    batches = []
+    for groups in buckets.values():
+        nq = max(g[0].numel() for g in groups)
+        nk = max(g[1].numel() for g in groups)
+        queries = torch.stack([F.pad(g[0], (0, nq - g[0].numel()), value=int(g[0][-1])) for g in groups])
+        keys = torch.stack([F.pad(g[1], (0, nk - g[1].numel()), value=int(g[1][0])) for g in groups])
+        counts_q = torch.tensor([g[0].numel() for g in groups], device=forbidden.device)
+        counts_k = torch.tensor([g[1].numel() for g in groups], device=forbidden.device)
+        query_real = torch.arange(nq, device=forbidden.device) < counts_q[:, None]
+        key_pad = torch.arange(nk, device=forbidden.device) >= counts_k[:, None]
+        batches.append((queries, query_real, keys, key_pad))
+    forbidden._sluiceway_group_batches = batches
+    return batches
 
 
 def _attention_groups(forbidden: Tensor) -> list[tuple[Tensor, Tensor]]:

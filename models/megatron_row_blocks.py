@@ -20,32 +20,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sluiceway.models.batch_invariant import stable_linear
+from sluiceway.models.batch_invariant import RowBlockLinear
 from sluiceway.models.megatron_import import _tp_group_or_default, megatron_import
 
 with megatron_import():
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-
-class _RowBlockLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, allreduce_dgrad: bool,
-                tp_group: Any) -> Tensor:  # fmt: skip
-        ctx.save_for_backward(x, weight)
-        ctx.use_bias = bias is not None
-        ctx.allreduce_dgrad, ctx.tp_group = allreduce_dgrad, tp_group
-        return stable_linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
-        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-        if grad_x is not None and ctx.allreduce_dgrad:
-            torch.distributed.all_reduce(grad_x, group=_tp_group_or_default(ctx.tp_group))
-        g2 = grad.reshape(-1, grad.size(-1))
-        grad_w = g2.t().matmul(x.reshape(-1, x.size(-1))) if ctx.needs_input_grad[1] else None
-        grad_b = g2.sum(dim=0) if ctx.use_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None, None
 
 
 def _row_block_forward(megatron_impl: Any, input: Tensor, weight: Tensor, bias: Tensor | None,
@@ -54,7 +33,8 @@ def _row_block_forward(megatron_impl: Any, input: Tensor, weight: Tensor, bias: 
     if sequence_parallel or (gradient_accumulation_fusion and hasattr(weight, "main_grad")):
         return megatron_impl(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
                              *args, tp_group=tp_group, **kwargs)  # fmt: skip
-    return _RowBlockLinear.apply(input, weight, bias, allreduce_dgrad, tp_group)
+    # The input gradient is all-reduced over the tensor-parallel group where megatron's function would.
+    return RowBlockLinear.apply(input, weight, bias, _tp_group_or_default(tp_group) if allreduce_dgrad else None)
 
 
 def use_row_blocks(model: torch.nn.Module) -> int:

@@ -79,3 +79,15 @@ def test_the_choice_is_one_log_line_when_the_flow_starts(monkeypatch, caplog):
     lines = [r.getMessage() for r in caplog.records]
     want = "precision: fp32 (auto: a layer's training and decode work runs at only 0.01x"
     assert len(lines) == 1 and lines[0].startswith(want)
+
+
+def test_the_reason_names_each_role(monkeypatch):
+    """Issue 51: the first line says what bf16 does for training and for decode, and what both roles run."""
+    probe = precision.CpuProbe(200.0, 420.0, 2, train_speedup=3.1, decode_speedup=1.2)
+    monkeypatch.setattr(precision, "probe_cpu", lambda refresh=False: probe)
+    choice = precision.choose("auto")
+    assert choice.bf16 and "by role training 3.10x, decode 1.20x" in choice.reason
+    assert "bf16 for the trainer and the engines" in choice.reason
+    old = precision.CpuProbe(200.0, 100.0, 2)  # a cache written before roles were measured
+    monkeypatch.setattr(precision, "probe_cpu", lambda refresh=False: old)
+    assert "by role" not in precision.choose("auto").reason and old.roles() == ""
