@@ -105,7 +105,7 @@ def _cache_file(threads: int) -> Path:
 
 # The probe's workload: one transformer layer at SmolLM2's widths, as a run spends its time there.
 _H, _FF, _HEADS, _KV, _HD = 576, 1536, 9, 3, 64
-_TRAIN_ROWS, _TRAIN_T, _DECODE_ROWS, _DECODE_SPAN = 2, 64, 16, 64
+_TRAIN_ROWS, _TRAIN_T, _DECODE_ROWS, _DECODE_SPAN = 8, 64, 16, 64
 
 
 def _layer_workload(dtype, weights, grad: bool, rows: int, t: int, span: int):
