@@ -10,7 +10,7 @@ import os
 import re
 from pathlib import Path
 
-from sluiceway.infra.precision import read_cpuinfo
+from sluiceway.models.precision import read_cpuinfo
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 _HEADER = "# Benchmarks\n\nMeasured numbers; each section is refreshed by its script and names the machine it ran on.\n"

@@ -1,6 +1,6 @@
 """The run's precision: `auto` resolved to what this machine computes well, and the one line that says why.
 
-The measurement is infra/precision.py's; this is the policy of a run: resolved by the CLI before the run record
+The measurement is models/precision.py's; this is the policy of a run: resolved by the CLI before the run record
 is written and the engines start, logged when the run starts (after every check of the user's input passed).
 """
 
@@ -21,7 +21,7 @@ def resolve_precision(cfg: RunConfig, announce: bool = True) -> RunConfig:
     """
     t = cfg.training
     if t.precision == "auto":
-        from sluiceway.infra.precision import choose  # imports torch: only when a run starts
+        from sluiceway.models.precision import choose  # imports torch: only when a run starts
 
         choice = choose("auto", cfg.resources.device)
         held_lines.replace("precision", [f"precision: {choice.precision} ({choice.reason})"], first=True)

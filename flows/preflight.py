@@ -369,7 +369,7 @@ def print_plan(cfg: RunConfig, available_gib: float | None = None) -> int:
         if cfg.resources.device == "cuda":  # planned for the GPU the layout names, not for this machine
             bf16, note = True, "auto: planned as bf16 (what a GPU with native bf16 computes in)"
         else:
-            from sluiceway.infra.precision import choose
+            from sluiceway.models.precision import choose
 
             choice = choose("auto", "cpu")
             bf16, note = choice.bf16, choice.reason

@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
     eng.add_argument("--max-total-len", type=int, default=1024, help="prompt + response tokens per request")
     eng.add_argument(
         "--dtype", choices=["float32", "bfloat16", "auto"], default="float32",
-        help="auto: bfloat16 where this CPU computes it natively and faster (infra/precision.py), else float32",
+        help="auto: bfloat16 where this CPU computes it natively and faster (models/precision.py), else float32",
     )  # fmt: skip
     eng.add_argument("--weight-version", default="0")
     eng.add_argument("--seed", type=int, default=None, help="base seed for requests without sampling_seed")
@@ -31,7 +31,7 @@ def run(args) -> int:
     if args.num_threads is not None and args.num_threads < 1:
         raise UserError("engine: --num-threads must be >= 1")
     if args.dtype == "auto":
-        from sluiceway.infra.precision import choose
+        from sluiceway.models.precision import choose
 
         choice = choose("auto")
         print(f"engine precision: {choice.precision} ({choice.reason})", file=sys.stderr)

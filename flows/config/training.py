@@ -75,7 +75,7 @@ class TrainingConfig(Group):
         "auto",
         description="Compute precision of the trainer, the engines and the published weights. bf16: bf16 compute "
         "over fp32 master weights. auto: bf16 where the device computes it natively and faster than fp32 (on CPU "
-        "a short measured probe, cached per machine: infra/precision.py), else fp32.",
+        "a short measured probe, cached per machine: models/precision.py), else fp32.",
     )
     bf16_weight_rounding: Literal["nearest", "stochastic"] = Field(
         "stochastic",

@@ -44,7 +44,7 @@ def warm_cache(tmp_path_factory) -> Path:
             code = (
                 "from pathlib import Path; import sys\n"
                 "from sluiceway.models.zoo import resolve_checkpoint; resolve_checkpoint('tiny-llama')\n"
-                "from sluiceway.infra import precision; precision.probe_cpu()\n"
+                "from sluiceway.models import precision; precision.probe_cpu()\n"
                 "from sluiceway.infra.prefect_env import start_api_server; start_api_server(Path(sys.argv[1]))\n"
             )
             env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")} | {"SLUICEWAY_CACHE": str(warm)}

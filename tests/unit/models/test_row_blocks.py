@@ -40,6 +40,15 @@ def test_a_row_gets_the_same_bits_in_any_batch(dtype):
                                rtol=0.02)  # fmt: skip
 
 
+def test_the_result_keeps_no_padding():
+    """A padded block's extra rows are not kept alive by the result (autograd may save it: a [rows, vocab] logits
+    tensor padded to the block would hold up to 63 rows more)."""
+    x, w, b = data(ROW_BLOCK + 5, torch.bfloat16)
+    for product in (F.linear, lambda *a: F.linear(*a)):  # F.linear's own path, and another product's
+        out = stable_linear(x, w, b, product)
+        assert out.untyped_storage().nbytes() == out.numel() * out.element_size()
+
+
 def test_an_empty_batch_is_an_empty_product():
     x, w, b = data(0, torch.bfloat16)
     assert stable_linear(x, w, b).shape == (0, w.size(0))
