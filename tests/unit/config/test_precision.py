@@ -42,10 +42,22 @@ def test_explicit_precision_is_kept(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("bf16_gflops", "want"), [(800.0, "bf16"), (400.0, "bf16"), (310.0, "fp32"), (210.0, "fp32"), (2.8, "fp32")]
+    ("bf16_gflops", "roles", "want"),
+    [
+        (800.0, (), "bf16"),
+        (310.0, (), "bf16"),
+        (210.0, (), "fp32"),
+        (2.8, (), "fp32"),
+        # By role, weighted by a step's shares (0.65 training, 0.35 decode): the AMX Xeon's figures, then AMX off.
+        (300.0, (2.09, 0.76), "bf16"),  # 1.29x a step
+        (300.0, (1.86, 0.75), "bf16"),  # 1.22x
+        (110.0, (0.65, 0.88), "fp32"),  # 0.72x
+        (300.0, (3.0, 0.45), "fp32"),  # training 3x, but decode so slow that the step is 0.95x
+    ],
 )
-def test_auto_follows_the_measured_rates(monkeypatch, bf16_gflops, want):
-    monkeypatch.setattr(precision, "probe_cpu", lambda refresh=False: precision.CpuProbe(200.0, bf16_gflops, 2))
+def test_auto_follows_the_measured_rates(monkeypatch, bf16_gflops, roles, want):
+    probe = precision.CpuProbe(200.0, bf16_gflops, 2, *roles)
+    monkeypatch.setattr(precision, "probe_cpu", lambda refresh=False: probe)
     cfg = resolve_precision(cfg_from(["run", "--prompt-data", "env:arithmetic"]))
     assert cfg.training.precision == want and cfg.training.bf16 is (want == "bf16")
     assert precision.choose("auto").reason.startswith("auto: ")
@@ -78,7 +90,7 @@ def test_the_choice_is_one_log_line_when_the_flow_starts(monkeypatch, caplog):
         assert not caplog.records  # held until the run starts (infra/held_lines.py)
         held_lines.flush()  # the flow has its inputs: the run starts (flows/live_run.py `take_prepared`)
     lines = [r.getMessage() for r in caplog.records]
-    want = "precision: fp32 (auto: a layer's training and decode work runs at only 0.01x"
+    want = "precision: fp32 (auto: a step's training and decode work runs only 0.01x as fast in bf16 as in fp32"
     assert len(lines) == 1 and lines[0].startswith(want)
 
 

@@ -110,7 +110,8 @@ def test_engine_and_trainer_bf16_logprobs_agree(model, tiny, smollm2_shaped):
 def test_agreement_with_amx_turned_off():
     """The same file under ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16: the AVX-512 BF16 kernels, not AMX's."""
     env = os.environ | {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__]
+    # SmolLM2's widths only: tiny-llama's products (inner dimension <= 256) are row-invariant on AMX as well.
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-k", "smollm2", __file__]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "2 passed" in done.stdout, done.stdout[-1000:]
+    assert "1 passed" in done.stdout, done.stdout[-1000:]
