@@ -150,9 +150,10 @@ def _explicit_causal_attention(
     b, h, s, d = q.shape
     qs, ks, vs = (t.transpose(1, 2).reshape(b * s, h, d) for t in (q, k, v))
     kept_at, kept = [], []
+    def pick(t: Tensor, at: Tensor) -> Tensor:  # rows `at` [G, n] of t [b * s, h, d] -> [G, h, n, d]
+        return t.index_select(0, at.flatten()).view(*at.shape, h, d).transpose(1, 2)
+
     for queries, query_real, keys, key_pad in _group_batches(forbidden):
-        n_groups, nq = queries.shape
-        pick = lambda t, at: t.index_select(0, at.flatten()).view(n_groups, at.size(1), h, d).transpose(1, 2)  # noqa: E731
         blocked = (keys[:, None, :] > queries[:, :, None]) | key_pad[:, None, :]  # causal, in the row's positions
         got = masked_attention(pick(qs, queries), pick(ks, keys), pick(vs, keys), blocked[:, None], scale)
         # A padded query slot repeats a real one: only the real slots are kept (and get a gradient).

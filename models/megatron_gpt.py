@@ -29,13 +29,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from sluiceway.infra.proc import loopback_collectives, loopback_store
+from sluiceway.models.batch_invariant import rows_vary
 from sluiceway.models.fused_logprobs import (
     compiled_on,
     linear_token_logprob_entropy,
     or_eager,
     token_logprob_entropy,
 )
-from sluiceway.models.batch_invariant import rows_vary
 from sluiceway.models.megatron_attention import cpu_layer_spec
 from sluiceway.models.megatron_import import megatron_import, traceable_linear_layers
 from sluiceway.models.megatron_row_blocks import use_row_blocks

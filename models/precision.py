@@ -253,8 +253,8 @@ def choose(requested: str, device: str = "cpu") -> Choice:
     if p.speedup >= MIN_SPEEDUP:
         return Choice(
             "bf16",
-            f"auto: a step's training and decode work runs {p.speedup:.2f}x as fast in bf16 as in fp32 here ({rates}) on "
-            f"{cpu_description()}; bf16 for the trainer and the engines, which give a token the same log-prob "
+            f"auto: a step's training and decode work runs {p.speedup:.2f}x as fast in bf16 as in fp32 here ({rates}) "
+            f"on {cpu_description()}; bf16 for the trainer and the engines, which give a token the same log-prob "
             "(learning against fp32: docs/benchmarks.md)",
         )
     return Choice(

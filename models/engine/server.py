@@ -28,6 +28,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,8 @@ def _error(message: str, status: int = 400) -> JSONResponse:
 
 
 REQUEST_LOG_ENV = "SLUICEWAY_ENGINE_REQUEST_LOG"
+# How often a running non-streamed request asks whether its client is still there (a cheap receive check).
+DISCONNECT_POLL_S = 0.25
 
 
 def _log_request(req: GenerateRequest, out: GenerateOutput) -> None:
@@ -246,7 +249,10 @@ class EngineServer:
         lps = await asyncio.to_thread(self.engine.score, req.input_ids, start)
         return [[lp, t, None] for lp, t in zip(lps, req.input_ids[start:], strict=True)]
 
-    async def generate(self, body: dict[str, Any]):
+    async def generate(self, body: dict[str, Any], gone: Callable[[], Awaitable[bool]] | None = None):
+        """SGLang's /generate. `gone` (the HTTP request's `is_disconnected`) is asked while a non-streamed request
+        runs: a client that went away (killed, timed out) has its requests aborted, as SGLang does, so they stop
+        spending compute and their rids are free for the run that resumes them."""
         t0 = time.perf_counter()
         reqs, rlp, batched, starts, score_only = self._to_requests(body)
         # A pinned request (infra/weight_pin.py) is checked against the version served when it is admitted here,
@@ -276,7 +282,7 @@ class EngineServer:
                     out = GenerateOutput(rid, len(r.input_ids), [], [], {"type": "length", "length": 0},
                                          self.engine.weight_version, text="")  # fmt: skip
                 else:
-                    out = await asyncio.wrap_future(h.future)
+                    out = await self._unless_gone(h, handles, gone)
                     _log_request(r, out)
                 item = self._item(out, lp, t0)
                 if start is not None:
@@ -330,6 +336,21 @@ class EngineServer:
                             await asyncio.to_thread(self.engine.abort, h.rid)
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def _unless_gone(self, handle: Any, handles: list, gone: Callable[[], Awaitable[bool]] | None) -> Any:
+        """The output of `handle`, asking `gone` every DISCONNECT_POLL_S meanwhile; when the client is gone, every
+        unfinished request of the call is aborted (and its output, which nobody will read, returned)."""
+        future = asyncio.wrap_future(handle.future)
+        while gone is not None:
+            done, _ = await asyncio.wait({future}, timeout=DISCONNECT_POLL_S)
+            if done:
+                break
+            if await gone():
+                for h in handles:
+                    if h is not None and not h.future.done():
+                        await asyncio.to_thread(self.engine.abort, h.rid, False, "Aborted: the client went away.")
+                break
+        return await future
 
     # ------------------------------------------------------------------------------------------ OpenAI chat
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -474,7 +495,7 @@ class EngineServer:
 
         @app.api_route("/generate", methods=["POST", "PUT"])
         async def generate(request: Request):
-            return await self.generate(await json_body(request))
+            return await self.generate(await json_body(request), request.is_disconnected)
 
         @app.get("/model_info")
         @app.get("/get_model_info")

@@ -129,6 +129,13 @@ def _refusal(r: httpx.Response, rid: str, url: str) -> WeightVersionRefused | No
     return WeightVersionRefused(message, version, err.get("min"), err.get("max"))
 
 
+def _rid_in_use(answer: str) -> bool:
+    """Whether an engine refused a request because its rid is running already (the embedded engine says "already
+    in use by a running request"; a server that words it "duplicate request id" is read the same)."""
+    text = answer.lower()
+    return "already in use" in text or "duplicate request id" in text
+
+
 def _error_text(r: httpx.Response) -> str:
     try:
         body = r.json()
@@ -261,6 +268,12 @@ class EngineClient:
                 if refused is not None:
                     raise refused
                 answer = f"{r.status_code}: {_error_text(r)}"
+                if r.status_code == 400 and _rid_in_use(answer) and self.engine_urls and attempt < self.max_retries:
+                    # A killed run's request under this rid still runs (a resume sends the same rids): nobody will
+                    # read its answer. Abort it on every engine and send this one again.
+                    await self.abort(rid)
+                    last = answer
+                    continue
                 raise EngineCallError(f"rid {rid}: {self.router_url}/generate answered {answer}")
             try:
                 return r.json()

@@ -174,8 +174,8 @@ class RemoteTrainer(TrainerGroup):
             status, value = recv(self.conn)
         except (EOFError, ConnectionError, OSError):
             self.proc.wait(timeout=60)
-            cause = self._cause()
-            raise TrainerGroupError(f"trainer group died (exit {self.proc.returncode}){cause}{self._log_tail()}") from None
+            died = f"trainer group died (exit {self.proc.returncode}){self._cause()}"
+            raise TrainerGroupError(f"{died}{self._log_tail()}") from None
         if status == "error":
             first = first_rank_error(self.error_dir)  # rank 0's error may only be that another rank went first
             cause = f"\n(first failure: {first})" if first and not first.startswith("rank 0:") else ""

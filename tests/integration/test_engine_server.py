@@ -330,3 +330,15 @@ def test_update_weights_from_disk_changes_outputs_and_version(server, model_dir,
     assert again["output_ids"] == before["output_ids"] and again["meta_info"]["weight_version"] == "2"
     assert server.post("/update_weight_version", json={"new_version": "3"}).json()["new_version"] == "3"
     assert server.get("/get_model_info").json()["weight_version"] == "3"
+
+
+def test_a_client_that_goes_away_frees_its_rid(server):
+    """A killed or timed-out client's request is aborted when its connection closes: the same rid (a resumed run
+    sends the same rids) is taken again, not refused as 'already in use'."""
+    body = {"input_ids": [5, 6], "rid": "goes-away", "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
+    with httpx.Client(base_url=str(server.base_url), timeout=httpx.Timeout(60, read=0.5)) as impatient:
+        with pytest.raises(httpx.ReadTimeout):
+            impatient.post("/generate", json=body)  # the connection closes with the timeout
+    _wait(lambda: server.get("/get_load").json()["num_running_reqs"] == 0)
+    again = _gen(server, input_ids=[5, 6], rid="goes-away", sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+    assert again["meta_info"]["finish_reason"] == {"type": "length", "length": 3}

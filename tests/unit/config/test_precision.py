@@ -8,8 +8,8 @@ from sluiceway.flows.cli import make_parser, resolve_config
 from sluiceway.flows.config import TrainingConfig
 from sluiceway.flows.precision import resolve_precision
 from sluiceway.infra import held_lines
-from sluiceway.models import precision
 from sluiceway.infra.errors import UserError
+from sluiceway.models import precision
 
 
 def cfg_from(argv):
