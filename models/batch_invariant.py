@@ -118,7 +118,8 @@ def stable_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, product
         if full < n:
             out[full:] = tail
     else:
-        out = torch.cat([product(block, weight, bias) for block in rows[:full].split(ROW_BLOCK)] + [tail])
+        blocks = [product(block, weight, bias) for block in rows[:full].split(ROW_BLOCK)]
+        out = torch.cat(blocks + ([tail] if full < n else []))
     return out.reshape(*x.shape[:-1], out.size(-1))
 
 class RowBlockLinear(torch.autograd.Function):

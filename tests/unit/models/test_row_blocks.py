@@ -31,9 +31,11 @@ def test_a_row_gets_the_same_bits_in_any_batch(dtype):
     x, w, b = data(3 * ROW_BLOCK + 7, dtype)
     whole = stable_linear(x, w, b)
     assert whole.shape == (x.size(0), w.size(0))
-    for start, n in ((0, 1), (5, 2), (9, 16), (30, 33), (1, ROW_BLOCK), (3, 2 * ROW_BLOCK + 5)):
-        part = stable_linear(x[start : start + n], w, b)
-        assert torch.equal(part, whole[start : start + n]), (start, n)
+    other = lambda *a: F.linear(*a)  # noqa: E731  (another product: the engine's packed weights take this path)
+    for start, n in ((0, 1), (5, 2), (9, 16), (30, 33), (1, ROW_BLOCK), (3, 2 * ROW_BLOCK), (3, 2 * ROW_BLOCK + 5)):
+        for product in (F.linear, other):
+            part = stable_linear(x[start : start + n], w, b, product)
+            assert torch.equal(part, whole[start : start + n]), (start, n, product)
     # Leading dimensions are kept, as F.linear keeps them.
     assert torch.equal(stable_linear(x[:12].view(3, 4, -1), w, b), whole[:12].view(3, 4, -1))
     torch.testing.assert_close(whole.float(), F.linear(x, w, b).float(), atol=0.05 if dtype != torch.float32 else 1e-4,
