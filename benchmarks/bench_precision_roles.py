@@ -151,7 +151,8 @@ def render(results: dict) -> str:
         lines += [
             "`make demo`'s run (`examples/demo_smollm2.yaml`, 12 steps, SmolLM2 already converted) per precision:",
             "",
-            "| --precision | ran | wall s | median step s | reward, first -> last 3 steps | held-out pass@1, 0 -> 12 steps |",
+            "| --precision | ran | wall s | median step s | reward, first -> last 3 steps "
+            "| held-out pass@1, 0 -> 12 steps |",
             "| --- | --- | ---: | ---: | --- | --- |",
         ]
         for p, d in demos.items():
@@ -160,7 +161,8 @@ def render(results: dict) -> str:
                          f"{d['pass_first']:.3f} -> {d['pass_last']:.3f} |")  # fmt: skip
         if "fp32" in demos:
             base = demos["fp32"]["wall_s"]
-            lines += [""] + [f"- {p}: {base / d['wall_s']:.2f}x fp32's wall time" for p, d in demos.items() if p != "fp32"]
+            others = [(p, d) for p, d in demos.items() if p != "fp32"]
+            lines += [""] + [f"- {p}: {base / d['wall_s']:.2f}x fp32's wall time" for p, d in others]
         if "auto" in demos:
             lines += ["", f"auto's line: `precision: {demos['auto']['chosen']} ({demos['auto']['reason']})`"]
         lines.append("")

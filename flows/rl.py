@@ -29,7 +29,7 @@ from sluiceway.infra.errors import Fault
 from sluiceway.storage.maintenance import maintain_run
 from sluiceway.storage.metrics import append_metrics
 from sluiceway.storage.stages import finished_stage, record_stage
-from sluiceway.storage.trajectories import is_trainable, read_trajectories
+from sluiceway.storage.trajectories import read_trajectories, row_failure
 from sluiceway.tasks.evaluate.evaluate import evaluate
 from sluiceway.tasks.filter.apply import filter_step
 from sluiceway.tasks.filter.filters import build_filters
@@ -93,26 +93,23 @@ def rollout_task(run_id: str, step: int) -> dict:
             on_progress=lambda done, need: rt.console.update(f"rollout step {step + 1}", done, need),
         )
     )
-    if res.groups_completed == 0 and res.groups_aborted:
-        _every_group_aborted(rt.store, run_id, step, res.groups_aborted)
+    if res.groups_completed == 0 and (res.groups_aborted or res.groups_failed):
+        _nothing_to_train(rt.store, run_id, step, res.groups_aborted + res.groups_failed)
     # Wall-clock bounds and the weights the engines held at the start: what overlap and staleness are measured by.
     return dataclasses.asdict(res) | {"started": started, "ended": time.time(), "engine_version": version_at_start}
 
 
-def _every_group_aborted(store, run_id: str, step: int, aborted: int) -> None:
-    """No group of the step finished (a prompt longer than the limit, an agent that always fails, engines that
-    abort everything): training on nothing, step after step, would end the run 'successfully' having learnt
-    nothing. The rollout stage fails instead, naming the first sample's reason; a resume generates the step again."""
-    import json
-
-    reasons = [
-        json.loads(r["metadata"] or "{}").get("abort_reason") or f"finish reason {r['finish_reason']}"
-        for r in read_trajectories(store, run_id, step).to_pylist()
-        if not is_trainable(r)
-    ]
+def _nothing_to_train(store, run_id: str, step: int, groups: int) -> None:
+    """No group of the step has a sample to train (a prompt longer than the limit, an agent or plugin that always
+    fails, engines that abort everything): training on nothing, step after step, would end the run 'successfully'
+    having learnt nothing. The rollout stage fails instead, naming the first sample's own reason (a sibling cut
+    short because another failed says only "finish reason abort"); a resume generates those groups again
+    (tasks/rollout/rollout.py `Rollout.retries`)."""
+    rows = [r for r in read_trajectories(store, run_id, step).to_pylist() if r.get("filter_reason") is None]
+    reasons = [why for r in rows if (why := row_failure(r))] or [f"finish reason {r['finish_reason']}" for r in rows]
     raise Fault(
-        f"rollout: all {aborted} groups of step {step} were aborted and none finished (the first: "
-        f"{reasons[0] if reasons else 'no row stored'}); nothing would be trained. Fix the cause, then "
+        f"rollout: none of the {groups} groups of step {step} has a sample to train: every sample was aborted or "
+        f"failed (the first: {reasons[0] if reasons else 'no row stored'}). Fix the cause, then "
         f"`sluiceway resume` generates the step again"
     )
 

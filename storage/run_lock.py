@@ -20,12 +20,14 @@ import contextlib
 import datetime as dt
 import errno
 import fcntl
+import functools
 import json
 import logging
 import os
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,6 +207,10 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(self.me.__dict__).encode(), 0)
         self._fd = fd
+        # A child forked without exec (an environment's worker, a plugin's os.fork) shares the descriptor, and a
+        # flock lasts while any process has it open: an orphan of the run kept the directory locked after the run
+        # ended (issue 52). The child closes its copy at once; exec'd children never get one (not inheritable).
+        os.register_at_fork(after_in_child=functools.partial(_close_in_child, weakref.ref(self)))
         try:
             self._lease.acquire(self.me)
         except BaseException:
@@ -220,6 +226,15 @@ class RunLock:
         if self._fd is not None:
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
+
+
+def _close_in_child(ref: weakref.ref) -> None:
+    """In a forked child: drop the parent's lock descriptor (the parent keeps the lock)."""
+    lock = ref()
+    if lock is not None and lock._fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(lock._fd)
+        lock._fd = None
 
 
 @contextlib.contextmanager

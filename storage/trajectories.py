@@ -114,8 +114,19 @@ class TrajectoryRow(TypedDict):
 
 
 def is_finished(row: TrajectoryRow) -> bool:
-    """Generation ended (completed, truncated or failed): the sample can be scored; an aborted one waits."""
+    """Generation ended (completed, truncated or failed): the group is not cut short; an aborted one waits."""
     return row["status"] != ABORTED
+
+
+# A row "retried" was left by an earlier attempt of its step that trained nothing: the step generated its prompt
+# again under a new group id (tasks/rollout/rollout.py `Rollout.run`); the old rows stay as they were, for the record.
+RETRIED = "retried"
+
+
+def is_usable(row: TrajectoryRow) -> bool:
+    """A sample training can take: completed or truncated. A failed one never is (its parts disagree, or what made
+    it failed: the reason is in its metadata), nor an aborted one (it waits to be continued)."""
+    return row["status"] in (COMPLETED, TRUNCATED)
 
 
 # The largest magnitude a reward may have: the advantages and the loss are computed in float32, where a larger
@@ -144,9 +155,21 @@ def trainable_reward(reward: float) -> bool:
     return reward_problem(reward) is None
 
 
+def row_failure(row: TrajectoryRow) -> str | None:
+    """Why a sample was aborted or failed, as it recorded it (`abort_reason` or `failure_reason` in its metadata)."""
+    try:
+        meta = json.loads(row.get("metadata") or "{}")
+    except ValueError:
+        return None
+    if not isinstance(meta, dict):
+        return None
+    return meta.get("abort_reason") or meta.get("failure_reason")
+
+
 def is_trainable(row: TrajectoryRow) -> bool:
-    """The one definition of "trained on": finished, and its group kept by every filter (no filter_reason)."""
-    return is_finished(row) and row.get("filter_reason") is None
+    """The one definition of "trained on": completed or truncated (`is_usable`), and its group kept by every filter
+    (no filter_reason). tasks/train/replay.py writes the same rule as an Arrow expression."""
+    return is_usable(row) and row.get("filter_reason") is None
 
 
 def group_rows(rows: list[TrajectoryRow]) -> dict[int, list[TrajectoryRow]]:

@@ -46,3 +46,20 @@ def hold_run_lock(run_dir, store, ready, stop) -> None:
     with run_lock.hold(run_dir, store, "r1", "run"):
         ready.set()
         stop.wait(60)
+
+
+def hold_run_lock_and_fork(run_dir, store, ready, child_pid) -> None:
+    """Hold run r1's lock, fork a child that outlives us (an environment's orphaned worker), put its pid in
+    `child_pid` and end: the body of a spawned child."""
+    import os
+    import time
+
+    from sluiceway.storage import run_lock
+
+    with run_lock.hold(run_dir, store, "r1", "run"):
+        pid = os.fork()
+        if pid == 0:  # the orphan: sleeps on with whatever descriptors it inherited
+            time.sleep(60)
+            os._exit(0)
+        child_pid.value = pid
+        ready.set()

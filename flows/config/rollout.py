@@ -27,6 +27,13 @@ class RolloutConfig(Group):
     rollout_temperature: float = Field(0.7, gt=0.0, description="Sampling temperature.")
     rollout_top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
     rollout_max_concurrency: int = Field(64, ge=1, description="Generate requests in flight at once, over all engines.")
+    rollout_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="Seconds a custom generate function (a slime plugin, an agent, an environment's episode) may take "
+        "for one sample; one that takes longer, raises or returns what no row can hold fails that sample alone, "
+        "with the reason in its row.",
+    )
     over_sampling_batch_size: int | None = Field(
         None,
         ge=1,

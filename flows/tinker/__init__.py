@@ -6,6 +6,7 @@ TINKER_BASE_URL runs unchanged (docs/tinker.md says what is implemented). The wi
 
 - `futures.py`: request ids, results kept for `retrieve_future`, per-model ordering by sequence id (pure logic).
 - `wire.py`: the protobuf/zstd bodies the SDK sends and the protobuf results it accepts.
+- `adam.py`: the bounds of AdamParams, checked as a request comes in and as its step runs.
 - `model.py`: one training client's model: forward/backward with Tinker's losses and Adam steps on PolicyTrainer.
 - `sampler.py`: embedded engines serving saved sampler weights (sample, prompt log-probs).
 - `app.py`: the Starlette app (routes, sessions, heartbeats) that ties them together.

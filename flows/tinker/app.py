@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from tinker import types
 
+from sluiceway.flows.tinker.adam import check_adam
 from sluiceway.flows.tinker.futures import (
     PROTOBUF,
     FutureStore,
@@ -334,6 +335,7 @@ def build_app(state: ServerState) -> Starlette:
         if not isinstance(req.optim_params, types.AdamParams):
             raise not_implemented(f"optimizer parameters of type {getattr(req.optim_params, 'type', '?')!r}")
         params = req.optim_params.model_dump()
+        check_adam(params)  # a 400 now, before the request is queued
 
         def run() -> Result:
             metrics = m.optim_step(params)

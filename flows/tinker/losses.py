@@ -14,6 +14,8 @@ token, from `loss_fn_inputs` of the same names (which win where given).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from sluiceway.flows.tinker.futures import TinkerUserError, not_implemented
@@ -48,9 +50,10 @@ def loss_config(loss_fn: str, config: dict) -> dict[str, float]:
     out = dict(zip(known, CLIP_DEFAULTS[loss_fn]))
     for k in known:
         if k in config:
-            if isinstance(config[k], str):
-                raise TinkerUserError(f"loss_fn_config[{k!r}] must be a number, got {config[k]!r}")
-            out[k] = float(config[k])
+            v = config[k]
+            if isinstance(v, str | bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                raise TinkerUserError(f"loss_fn_config[{k!r}] must be a finite number, got {v!r}")
+            out[k] = float(v)
     if out["clip_low_threshold"] > out["clip_high_threshold"]:
         raise TinkerUserError(f"loss_fn_config: clip_low_threshold {out['clip_low_threshold']} is above "
                               f"clip_high_threshold {out['clip_high_threshold']}")  # fmt: skip

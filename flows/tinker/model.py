@@ -8,6 +8,7 @@ advantages); Tinker hands over finished per-token inputs, so this scores them di
 
 from __future__ import annotations
 
+import math
 import threading
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
+from sluiceway.flows.tinker.adam import check_adam
 from sluiceway.flows.tinker.futures import TinkerUserError
 from sluiceway.flows.tinker.losses import LOSS_INPUTS, elementwise_loss, loss_config
 from sluiceway.flows.tinker.wire import DatumIn
@@ -53,6 +55,12 @@ class TinkerModel:
             losses = [elementwise_loss(loss_fn, lp, inputs, settings) for lp, inputs in zip(logps, tensors)]
             total = torch.stack([x.sum() for x in losses]).sum()
             if not forward_only:
+                bad = [i for i, x in enumerate(losses) if not bool(torch.isfinite(x.detach()).all())]
+                if bad:  # its gradient would reach the weights at the next optim_step: nothing is accumulated
+                    raise TinkerUserError(
+                        f"datum {bad[0]}: its {loss_fn} loss is not finite (a log-prob ratio "
+                        "beyond float range?); nothing of this forward_backward was accumulated"
+                    )
                 total.backward()
         outputs = [
             {"logprobs": lp.detach().float().cpu().numpy(), "elementwise_loss": x.detach().float().cpu().numpy()}
@@ -80,6 +88,10 @@ class TinkerModel:
                     f"datum {i}: loss_fn_inputs[{name!r}] has shape {list(a.shape)}, expected [{n}] (one per token;"
                     " 2-D targets are not implemented)"
                 )
+            if name == "target_tokens" and a.dtype.kind not in "iu":  # 1.5 is no token: never truncated to 1
+                raise TinkerUserError(f"datum {i}: loss_fn_inputs['target_tokens'] must be integers, got {a.dtype}")
+            if name != "target_tokens" and (a.dtype.kind not in "iuf" or not np.isfinite(a).all()):
+                raise TinkerUserError(f"datum {i}: loss_fn_inputs[{name!r}] must be finite numbers")
             dtype = torch.long if name == "target_tokens" else torch.float32
             out[name] = torch.as_tensor(a, dtype=dtype, device=self.trainer.device)
         if not bool(((out["target_tokens"] >= 0) & (out["target_tokens"] < self.vocab)).all()):
@@ -103,7 +115,16 @@ class TinkerModel:
         return list(torch.split(logp, [len(x) for x in token_lists]))
 
     def optim_step(self, params: dict) -> dict[str, float]:
+        """One AdamW step with the request's parameters (checked by `check_adam` first); a gradient that is not
+        finite is dropped and the weights stay as they were (the run's trainer does the same)."""
         from sluiceway.tasks.train.optim import step_master_weights
+
+        check_adam(params)
+
+        def finite(norm: torch.Tensor) -> None:
+            if not math.isfinite(float(norm)):
+                raise TinkerUserError(f"optim_step: the accumulated gradient is not finite (norm {float(norm)}); "
+                                      "it was dropped and the weights are unchanged")  # fmt: skip
 
         t = self.trainer
         with self.lock:
@@ -113,7 +134,7 @@ class TinkerModel:
                 g["eps"] = float(params.get("eps", 1e-12))
                 g["weight_decay"] = float(params.get("weight_decay", 0.0))
             norm = step_master_weights(t.trainable, t.master, t.optimizer, t.scheduler, t.tp_flags,
-                                       float(params.get("grad_clip_norm", 0.0)), t.mixed_precision, None,
+                                       float(params.get("grad_clip_norm", 0.0)), t.mixed_precision, finite,
                                        t.rounding)  # fmt: skip
             # The schedule's step reset lr to its own; the next optim_step sets it again from its params.
             self.steps += 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from typing import Any
 
 from sluiceway.infra.weight_pin import PIN_LABELS, WEIGHT_VERSION_MISMATCH
@@ -189,7 +190,9 @@ def per_item(value: Any, n: int, name: str, batched: bool) -> list[Any]:
 
 def _pin_int(v: Any, name: str, label: bool) -> int:
     if label and isinstance(v, str):
-        if v.isascii() and v.lstrip("-").isdigit() and len(v) < 20:  # int() alone also takes "1_0", " 3", "٣"
+        # One optional minus and ASCII digits: int() alone also takes "1_0", " 3" and "٣", and a test of the
+        # digits after lstrip("-") let "--1" through to int() (a 500).
+        if re.fullmatch(r"-?[0-9]{1,18}", v):
             return int(v)
     elif isinstance(v, int) and not isinstance(v, bool):
         return v

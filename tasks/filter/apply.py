@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from sluiceway.storage.trajectories import group_rows, is_finished, read_trajectories, set_filter_reasons
+from sluiceway.storage.trajectories import group_rows, is_usable, read_trajectories, set_filter_reasons
 from sluiceway.tasks.filter.filters import GroupFilter, first_reason
 
 
@@ -27,7 +27,7 @@ class FilterResult:
 
 
 def filter_step(*, store, run_id: str, step: int, filters: list[GroupFilter]) -> FilterResult:
-    rows = [r for r in read_trajectories(store, run_id, step).to_pylist() if is_finished(r)]
+    rows = [r for r in read_trajectories(store, run_id, step).to_pylist() if is_usable(r)]
     groups = group_rows(rows)
     updates = []
     for members in groups.values():

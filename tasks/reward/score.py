@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from sluiceway.infra.errors import Fault
 from sluiceway.storage.trajectories import (
-    is_finished,
+    is_usable,
     read_trajectories,
     reward_problem,
     set_rewards,
@@ -163,8 +163,9 @@ class RewardResult:
 
 def score_step(*, store, run_id: str, step: int, settings: RewardSettings) -> RewardResult:
     rows = read_trajectories(store, run_id, step).to_pylist()
-    # Aborted rows are unfinished partials: they are scored in the step that completes them.
-    pending = [r for r in rows if not has_reward(r) and is_finished(r)]
+    # Aborted rows are unfinished partials: they are scored in the step that completes them. Failed rows are never
+    # trained (storage/trajectories.py `is_usable`): a reward of their garbage would mean nothing.
+    pending = [r for r in rows if not has_reward(r) and is_usable(r)]
     results = score_rows(pending, settings)
     failed = [details for _, details in results if "reward_status" in details]
     if failed and len(failed) == len(pending) and not any(_usable(r) for r in rows):

@@ -119,7 +119,8 @@ def build_rollout_settings(cfg: RunConfig, tokenizer, hf_dir: Path, slime_args=N
         else openenv_generate(cfg) if (cfg.data.prompt_data or "").startswith("openenv:")
         else VerifiersGenerate(cfg.data.prompt_data, cfg.data.verifiers_env, cfg.data.env_size)
         if (cfg.data.prompt_data or "").startswith("verifiers:")
-        else None, tokenizer=tokenizer, max_prompt_len=r.rollout_max_prompt_len,
+        else None, tokenizer=tokenizer, max_prompt_len=r.rollout_max_prompt_len, timeout_s=r.rollout_timeout_s,
+        max_context_len=r.rollout_max_context_len,
     )  # fmt: skip
 
 

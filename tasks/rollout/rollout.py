@@ -38,12 +38,17 @@ from sluiceway.storage.trajectories import (
     ABORTED,
     COMPLETED,
     FAILED,
+    RETRIED,
     TRUNCATED,
     TrajectoryRow,
+    group_rows,
     is_finished,
     is_trainable,
+    is_usable,
     read_trajectories,
+    set_filter_reasons,
 )
+from sluiceway.tasks.rollout.client import EngineCallError
 from sluiceway.tasks.rollout.dispatch import PoolDispatcher
 from sluiceway.tasks.rollout.generation import Generation, GenerationDefaults
 from sluiceway.tasks.rollout.multiturn import GenerateContext
@@ -121,6 +126,13 @@ class RolloutSettings:
     custom_generate: Callable | None = None  # see tasks/rollout/multiturn.py
     tokenizer: object = None  # for custom generate functions
     max_prompt_len: int | None = None  # what a custom generate function may start from (--rollout-max-prompt-len)
+    timeout_s: float = 1800.0  # a custom generate function's time for one sample (--rollout-timeout-s)
+    max_context_len: int | None = None  # --rollout-max-context-len: a multi-turn function may fill it
+
+    @property
+    def max_response_tokens(self) -> int:
+        """The most response tokens a custom generate function's sample may hold (its turns and tool outputs)."""
+        return max(self.max_new_tokens, self.max_context_len or 0)
 
     def close(self) -> None:
         """When the run ends: what the custom generate function holds (an agent function's endpoint)."""
@@ -137,6 +149,7 @@ class RolloutResult:
     groups_skipped: int  # already in the table before this call
     samples_written: int
     gen_time_s: float
+    groups_failed: int = 0  # groups this call stored whose every sample failed: nothing of them is trained
 
 
 def carried_over(store, run_id: str, step: int, prompts_by_id: dict[str, PromptItem]) -> list[GroupWork]:
@@ -146,23 +159,24 @@ def carried_over(store, run_id: str, step: int, prompts_by_id: dict[str, PromptI
     prev = read_trajectories(store, run_id, step - 1).to_pylist()
     groups: dict[int, list[TrajectoryRow]] = {}
     for r in prev:
-        if r["status"] == ABORTED:
+        if r["status"] == ABORTED and r.get("filter_reason") != RETRIED:
             groups.setdefault(r["group_id"], []).append(r)
     work = []
     for g in sorted(groups):
         rows = sorted(groups[g], key=lambda r: r["sample_index"])
-        prompt = prompts_by_id.get(rows[0]["prompt_id"]) or PromptItem(
-            rows[0]["prompt_id"],
-            rows[0]["prompt"],
-            rows[0]["prompt_token_ids"],
-            rows[0]["label"],
-            json.loads(rows[0]["metadata"] or "{}"),
-        )
+        prompt = stored_prompt(rows[0], prompts_by_id)
         partials = [
             Partial(r["response_token_ids"], r["rollout_logprobs"], r["weight_versions"], step - 1) for r in rows
         ]
         work.append(GroupWork(-1, prompt, partials))
     return work
+
+
+def stored_prompt(row: TrajectoryRow, prompts_by_id: dict[str, PromptItem]) -> PromptItem:
+    """The prompt a stored row was generated from: the dataset's, or as the row recorded it."""
+    return prompts_by_id.get(row["prompt_id"]) or PromptItem(
+        row["prompt_id"], row["prompt"], row["prompt_token_ids"], row["label"], json.loads(row["metadata"] or "{}")
+    )
 
 
 def plan_step(
@@ -241,6 +255,66 @@ class _Aborted(GenerationDefaults):
     latency_s: float = 0.0
 
 
+@dataclass
+class _Failed(GenerationDefaults):
+    """A sample whose custom generate function raised, hung or returned what no row can hold: stored failed with
+    the reason (never trained); the group's other samples go on."""
+
+    reason: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = "failed"
+    weight_version: int = 0
+    latency_s: float = 0.0
+
+    @property
+    def row_metadata(self) -> dict:
+        return {"failure_reason": self.reason}
+
+
+async def guarded_generate(s: RolloutSettings, ctx: GenerateContext, prompt: PromptItem, params: dict) -> Generation:
+    """The custom generate function's generation of one sample, where code we did not write costs at most that
+    sample: an exception, `timeout_s` passing or a result no row can hold (None, tokens beyond the response limit)
+    is a failed sample saying why. The engines' own errors still reach the dispatcher, which moves or stops the
+    group (a pool gone is not the function's fault)."""
+    fn = s.custom_generate
+    name = getattr(fn, "name", None) or getattr(fn, "__qualname__", None) or "the custom generate function"
+    t0, bound = time.perf_counter(), asyncio.timeout(s.timeout_s)
+    try:
+        async with bound:
+            res = await fn(ctx, prompt, params)
+    except EngineCallError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the plugin raises is its sample's failure
+        if bound.expired():
+            why = f"did not return within {s.timeout_s:g} s (--rollout-timeout-s)"
+        else:
+            why = f"raised {type(e).__name__}: {(str(e).splitlines() or [''])[0][:500]}"
+        return _Failed(f"{name} {why}", latency_s=time.perf_counter() - t0)
+    problem = generation_problem(res, s.max_response_tokens)
+    if problem is not None:
+        return _Failed(f"{name} {problem}", latency_s=time.perf_counter() - t0)
+    return res
+
+
+def generation_problem(res, max_tokens: int) -> str | None:
+    """Why a custom generate function's result cannot be a row, or None."""
+    tokens = getattr(res, "token_ids", None)
+    if not isinstance(tokens, list):
+        return f"returned {type(res).__name__}, not a generation with a list of token_ids"
+    if len(tokens) > max_tokens:
+        return f"returned {len(tokens)} response tokens, more than the {max_tokens} a sample may have"
+    if not all(type(t) is int and t >= 0 for t in tokens):
+        return "returned token_ids that are not all non-negative integers"
+    logprobs = getattr(res, "logprobs", None) or []
+    if len(logprobs) not in (0, len(tokens)):
+        return f"returned {len(logprobs)} log-probs for {len(tokens)} tokens"
+    mask = getattr(res, "loss_mask", None)
+    if mask is not None and len(mask) != len(tokens):
+        return f"returned a loss_mask of {len(mask)} for {len(tokens)} tokens"
+    return None
+
+
 class Rollout:
     """One step's rollout: the planned groups the table does not hold yet, until `groups_needed` have finished.
 
@@ -274,6 +348,7 @@ class Rollout:
         self.finished = 0  # finished groups in the table (this run and earlier attempts)
         self.written = 0  # samples this run stored
         self.aborted_groups = 0
+        self.failed_groups = 0  # groups whose every sample failed (tasks/rollout/slime_plugins/generate.py, say)
         self.versions_seen: list[int] = []  # weight versions of the answers so far
 
     async def run(self) -> RolloutResult:
@@ -283,6 +358,8 @@ class Rollout:
         finished = {r["group_id"] for r in existing if is_trainable(r)}
         self.finished = len(finished)
         todo = [w for w in self.work if w.group_id not in stored]
+        if self.finished < self.s.groups_needed:
+            todo += self.retries(existing, next_id=max(stored | {w.group_id for w in self.work}, default=-1) + 1)
         if self.finished >= self.s.groups_needed:
             self.enough.set()
         await asyncio.gather(*(self.group(w) for w in todo))
@@ -293,7 +370,27 @@ class Rollout:
             groups_skipped=len(self.work) - len(todo),
             samples_written=self.written,
             gen_time_s=time.perf_counter() - t0,
+            groups_failed=self.failed_groups,
         )
+
+    def retries(self, existing: list[TrajectoryRow], next_id: int) -> list[GroupWork]:
+        """The planned groups an earlier attempt of this step stored with nothing to train (every sample aborted
+        or failed: engines gone, an agent or plugin broken, a prompt over the limit), generated again now that the
+        step still lacks groups: the attempt stopped the run, and its cause may be fixed. They get new group ids;
+        the old rows stay, marked `retried` (not trained, not continued by the next step)."""
+        by_group = group_rows([r for r in existing if r.get("filter_reason") is None])
+        dead = sorted(g for g, rows in by_group.items() if not any(is_usable(r) for r in rows))
+        planned = {w.group_id: w for w in self.work}
+        prompts = {w.prompt.prompt_id: w.prompt for w in self.work}
+        todo = [
+            GroupWork(next_id + k, stored_prompt(by_group[g][0], prompts), planned[g].partials if g in planned
+                      else [Partial() for _ in range(self.s.n_samples)])
+            for k, g in enumerate(dead)
+        ]  # fmt: skip
+        if dead:
+            keys = [(r["group_id"], r["sample_index"], RETRIED) for g in dead for r in by_group[g]]
+            set_filter_reasons(self.store, self.run_id, self.step, keys)
+        return todo
 
     async def group(self, w: GroupWork) -> None:
         """One group: generated on some pool, judged, stored."""
@@ -332,7 +429,7 @@ class Rollout:
         if s.custom_generate is not None:
             ctx = GenerateContext(target.client, s.tokenizer, rid, s.max_new_tokens, routing_key=key,
                                   max_prompt_len=s.max_prompt_len, **pin)  # fmt: skip
-            call = s.custom_generate(ctx, w.prompt, params)
+            call = guarded_generate(s, ctx, w.prompt, params)
         else:
             ids = w.prompt.token_ids + part.token_ids
             call = target.client.generate(ids, params, rid=rid, routing_key=key, **pin)
@@ -351,7 +448,11 @@ class Rollout:
                 r["status"] = ABORTED
             self.aborted_groups += 1
             return
-        reason = self.group_filter(rows) if self.group_filter else None
+        usable = [r for r in rows if is_usable(r)]
+        if not usable:  # every sample failed: the group is stored with its reasons and fills no place of the step
+            self.failed_groups += 1
+            return
+        reason = self.group_filter(usable) if self.group_filter else None
         made_by = [r.weight_version for r in results if r.token_ids]
         if reason is None and self.min_version is not None and made_by and min(made_by) < self.min_version:
             reason = "stale"  # the pool reported a fresher version than it served

@@ -12,7 +12,7 @@ import math
 import pyarrow as pa
 import torch
 
-from sluiceway.storage.trajectories import ABORTED, TRUNCATED, is_trainable
+from sluiceway.storage.trajectories import ABORTED, FAILED, TRUNCATED, is_trainable, is_usable
 from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS, group_advantages, whiten_over_tokens
 from sluiceway.tasks.train.samples import NonFiniteTraining, TrainSample, sample_name
 
@@ -104,7 +104,8 @@ def rollout_metrics(table: pa.Table) -> dict[str, float]:
         "zero_std_group_frac": sum(len(set(v)) == 1 for v in by_group.values()) / max(len(by_group), 1),
         "samples": float(len(rows)),
         "samples_aborted": float(sum(r["status"] == ABORTED for r in all_rows)),
-        "samples_filtered": float(sum(r["status"] != ABORTED and r.get("filter_reason") is not None for r in all_rows)),
+        "samples_filtered": float(sum(is_usable(r) and r.get("filter_reason") is not None for r in all_rows)),
+        "samples_failed": float(sum(r["status"] == FAILED for r in all_rows)),  # never trained: reasons in metadata
     }
 
 

@@ -12,13 +12,14 @@ import datetime as _dt
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake.exceptions import DeltaError
 
 from sluiceway.infra.errors import UserError
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.tables import open_table, read_table, table_exists
-from sluiceway.storage.trajectories import ABORTED, TRAJECTORIES, read_trajectories
+from sluiceway.storage.trajectories import COMPLETED, TRAJECTORIES, TRUNCATED, read_trajectories
 from sluiceway.tasks.train.batch import build_train_samples, rollout_metrics
 from sluiceway.tasks.train.samples import TrainSample
 
@@ -87,7 +88,8 @@ def open_source(
         raise UserError(f"--replay-steps: {missing} not stored for run {run_id} in {where} (stored: {stored})")
     # A version taken mid-step can hold rows not scored yet: their group's advantages are unknown.
     # storage/trajectories.is_trainable as an Arrow expression (the columns only, no row dicts).
-    trainable = pc.and_(pc.not_equal(cols.column("status"), ABORTED), pc.is_null(cols.column("filter_reason")))
+    usable = pc.is_in(cols.column("status"), pa.array([COMPLETED, TRUNCATED]))
+    trainable = pc.and_(usable, pc.is_null(cols.column("filter_reason")))
     unscored = cols.filter(pc.and_(trainable, pc.is_null(cols.column("reward"))))
     bad = sorted(set(unscored.column("step").to_pylist()) & set(chosen))
     if bad:

@@ -110,6 +110,45 @@ def test_unimplemented_call_names_itself(service):
         tc.forward_backward([datum([1, 5, 9])], "ppo", {"clip_ratio": 0.2}).result()
 
 
+def test_no_request_reaches_the_weights_with_nan_or_a_ruinous_optimizer_step(service):
+    """Issue 52 points 2 and 3 through the real SDK: NaN in a datum or a loss setting, and AdamParams out of bounds,
+    are the caller's errors naming the field; an optim_step after them changes nothing it should not, and the
+    weights stay finite (a forward after them gives the same finite loss)."""
+    from tinker import types
+
+    tc = service.create_lora_training_client(base_model="tiny-llama", rank=2).result()
+    tok = tc.get_tokenizer()
+    good = datum(tok.encode("Finite numbers only, please."))
+    before = tc.forward([good], "cross_entropy").result().metrics["loss:sum"]
+
+    ids = tok.encode("Finite numbers only, please.")
+    nan_weights = datum(ids, weights=[float("nan")] * (len(ids) - 1))
+    with pytest.raises(Exception, match=r"loss_fn_inputs\['weights'\] must be finite numbers"):
+        tc.forward_backward([nan_weights], "cross_entropy").result()
+    n = len(good.model_input.to_ints())
+    ppo = types.Datum(
+        model_input=good.model_input,
+        loss_fn_inputs={
+            "target_tokens": good.loss_fn_inputs["target_tokens"],
+            "logprobs": [-1.0] * n,
+            "advantages": [1.0] * n,
+        },
+    )
+    with pytest.raises(Exception, match=r"loss_fn_config\['clip_low_threshold'\] must be a finite number"):
+        tc.forward_backward([ppo], "ppo", {"clip_low_threshold": float("nan")}).result()
+    ruinous = [
+        (dict(learning_rate=1e30), "adam_params.learning_rate must be a finite number in \\[0, 1\\]"),
+        (dict(learning_rate=-1.0), "adam_params.learning_rate must be"), (dict(eps=0.0, beta2=0.0), "adam_params.eps"),
+        (dict(beta1=5.0), "adam_params.beta1 must be"), (dict(grad_clip_norm=-1.0), "adam_params.grad_clip_norm"),
+        (dict(learning_rate=float("inf")), "400 .*learning_rate"),  # the SDK sends inf as null: not a number
+    ]  # fmt: skip
+    for bad, says in ruinous:
+        with pytest.raises(Exception, match=says):
+            tc.optim_step(types.AdamParams(**bad)).result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()  # nothing was accumulated: nothing moves
+    assert tc.forward([good], "cross_entropy").result().metrics["loss:sum"] == pytest.approx(before, abs=1e-6)
+
+
 @pytest.mark.filterwarnings("ignore:DEPRECATED. TrainingClient.load_state:FutureWarning")  # still the SDK's API
 def test_killed_server_restarts_from_its_store(server, service):
     """Train two steps, save_state, one more step (the uninterrupted run); SIGKILL; start again on the store."""

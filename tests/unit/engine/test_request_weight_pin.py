@@ -41,6 +41,8 @@ def test_a_pin_is_read_from_its_fields_or_their_custom_labels_copy(body, pin):
         ({"custom_labels": {"sluiceway_max_weight_version": "v3"}}, "custom_labels.sluiceway_max_weight_version"),
         ({"custom_labels": {"sluiceway_max_weight_version": "1_0"}}, "must be an integer"),
         ({"custom_labels": {"sluiceway_min_weight_version": "-"}}, "must be an integer"),
+        ({"custom_labels": {"sluiceway_min_weight_version": "--1"}}, "must be an integer"),  # issue 52: a 500
+        ({"custom_labels": {"sluiceway_min_weight_version": "1-"}}, "must be an integer"),
         ({"custom_labels": {"sluiceway_min_weight_version": 3}}, "object of string values"),
         ({"custom_labels": ["x"]}, "object of string values"),
         ({"min_weight_version": 3, "custom_labels": {"sluiceway_min_weight_version": "4"}}, "must agree"),

@@ -8,7 +8,7 @@ import socket
 import time
 
 import pytest
-from storage_helpers import hold_run_lock
+from storage_helpers import hold_run_lock, hold_run_lock_and_fork
 
 from sluiceway.infra.errors import Fault, UserError
 from sluiceway.storage import run_lock
@@ -50,6 +50,25 @@ def test_a_killed_holder_is_taken_over_at_once_on_its_host(tmp_path, store, capl
         assert lock._lease.gen == 1  # generation 0 was the dead child's
     # Taking over a dead holder's lease is what every resume after a kill does: nothing to warn about (issue 30).
     assert not [r for r in caplog.records if "taking over" in r.getMessage()], caplog.text
+
+
+def test_a_forked_child_that_outlives_the_holder_does_not_keep_the_lock(tmp_path, store):
+    """Issue 52 point 7: an orphan forked by the run (without exec) had kept the directory's flock, so every
+    resume was refused naming a pid long gone."""
+    import signal
+
+    ctx = mp.get_context("spawn")
+    ready, orphan = ctx.Event(), ctx.Value("i", 0)
+    holder = ctx.Process(target=hold_run_lock_and_fork, args=(tmp_path / "run", store, ready, orphan))
+    holder.start()
+    assert ready.wait(60)
+    holder.join(30)
+    try:
+        os.kill(orphan.value, 0)  # the orphan still lives...
+        with run_lock.hold(tmp_path / "run", store, "r1", "resume"):  # ...and the lock is free
+            pass
+    finally:
+        os.kill(orphan.value, signal.SIGKILL)
 
 
 def test_a_silent_holder_elsewhere_expires_after_the_ttl_and_then_loses(tmp_path, store, monkeypatch):

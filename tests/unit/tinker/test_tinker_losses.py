@@ -73,3 +73,32 @@ def test_loss_configs_are_checked():
         loss_config("dro", {})
     with pytest.raises(TinkerUserError, match="unknown loss function"):
         loss_config("nope", {})
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"learning_rate": float("nan")}, "learning_rate"),
+        ({"learning_rate": 1e30}, "learning_rate"),
+        ({"learning_rate": -1.0}, "learning_rate"),
+        ({"beta1": 1.0}, "beta1"),
+        ({"beta2": -0.1}, "beta2"),
+        ({"eps": 0.0}, "eps"),
+        ({"weight_decay": float("inf")}, "weight_decay"),
+        ({"grad_clip_norm": -1.0}, "grad_clip_norm"),
+        ({"grad_clip_norm": "1"}, "grad_clip_norm"),
+    ],
+)
+def test_adam_params_out_of_bounds_are_the_callers_error(params, field):
+    """Issue 52 point 3: each had been applied (lr 1e30, eps 0 with beta2 0 destroyed the weights)."""
+    from sluiceway.flows.tinker.adam import check_adam
+
+    with pytest.raises(TinkerUserError, match=rf"adam_params\.{field} must be a finite number"):
+        check_adam({"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12} | params)
+    check_adam({"learning_rate": 1.0, "beta1": 0.0, "beta2": 0.999, "eps": 1e-8, "grad_clip_norm": 0.0})
+
+
+def test_non_finite_loss_settings_are_refused():
+    for bad in (float("nan"), float("inf"), True, "0.8"):
+        with pytest.raises(TinkerUserError, match=r"loss_fn_config\['clip_low_threshold'\] must be a finite number"):
+            loss_config("ppo", {"clip_low_threshold": bad})
