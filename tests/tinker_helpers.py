@@ -50,6 +50,10 @@ class TinkerServer:
                 time.sleep(0.2)
         raise AssertionError("the server did not answer: " + log_path.read_text())
 
+    def log_text(self) -> str:
+        """What the server has printed since its last start."""
+        return (self.base / f"server{self.starts}.log").read_text(errors="replace")
+
     def kill(self) -> None:
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=30)

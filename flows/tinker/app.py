@@ -32,7 +32,8 @@ from sluiceway.flows.tinker.futures import (
     TinkerUserError,
     not_implemented,
 )
-from sluiceway.flows.tinker.wire import decompress, forward_backward_output, parse_forward_backward, sample_response
+from sluiceway.flows.tinker.limits import check_sample_sizes, inflate, json_object, read_body
+from sluiceway.flows.tinker.wire import forward_backward_output, parse_forward_backward, sample_response
 from sluiceway.storage.object_store import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -195,10 +196,8 @@ def error(status: int, message: str) -> JSONResponse:
 
 
 async def parse(request: Request, model: type) -> Any:
-    try:
-        return model.model_validate(await request.json())
-    except Exception as e:  # noqa: BLE001 (pydantic's ValidationError, bad JSON)
-        raise TinkerUserError(f"{request.url.path}: the body is not a valid {model.__name__}: {e}") from e
+    body = json_object(await read_body(request), request.url.path)
+    return await parse_json(request, body, model)
 
 
 def future_response(rid: str, model_id: str | None = None, **extra) -> JSONResponse:
@@ -229,7 +228,7 @@ def build_app(state: ServerState) -> Starlette:
         return JSONResponse({"status": "ok"})
 
     async def client_config(request: Request) -> Response:
-        # zstd on: the SDK then compresses forward_backward bodies, and this server reads them (wire.decompress).
+        # zstd on: the SDK then compresses forward_backward bodies, and this server reads them (limits.inflate).
         cfg = types.ClientConfigResponse(proto_compress_fwdbwd=True)
         return JSONResponse(cfg.model_dump(mode="json"))
 
@@ -260,9 +259,10 @@ def build_app(state: ServerState) -> Starlette:
         session = state.session(sid)
         if session is None:
             return error(404, f"unknown session {sid!r}")
-        body = await request.json()
+        body = json_object(await read_body(request), request.url.path)
+        reason = body.get("reason")
         if "finished" not in session:
-            state.save_session(sid, {**session, "finished": (body.get("reason") or {}).get("type")})
+            state.save_session(sid, {**session, "finished": reason.get("type") if isinstance(reason, dict) else None})
         with state.lock:
             for model_id in [m for m in state.runners if m.startswith(f"{sid}:")]:
                 state.runners.pop(model_id).stop()
@@ -316,7 +316,7 @@ def build_app(state: ServerState) -> Starlette:
     async def forward_backward(request: Request) -> Response:
         if PROTOBUF not in request.headers.get("content-type", ""):
             raise TinkerUserError("forward_backward takes a protobuf body (tinker>=0.25); this SDK sent JSON")
-        body = decompress(await request.body(), request.headers.get("content-encoding"))
+        body = inflate(await read_body(request), request.headers.get("content-encoding"))
         req = parse_forward_backward(body)
         m = state.model(req.model_id)
 
@@ -479,8 +479,9 @@ def build_app(state: ServerState) -> Starlette:
         return JSONResponse(body.model_dump(mode="json", exclude_none=True))
 
     async def asample(request: Request) -> Response:
-        body = await request.json()
+        body = json_object(await read_body(request), request.url.path)
         req = await parse_json(request, body, types.SampleRequest)
+        check_sample_sizes(req.num_samples, req.sampling_params.max_tokens if req.sampling_params else None)
         if req.sampling_session_id is not None:
             if req.sampling_session_id not in state.sampling_sessions:
                 raise TinkerUserError(f"unknown sampling_session_id {req.sampling_session_id!r}")
@@ -572,8 +573,13 @@ def build_app(state: ServerState) -> Starlette:
 
     def not_implemented_future(route: str, what: str):
         async def handler(request: Request) -> Response:
-            body = await request.json()
+            try:
+                body = json_object(await read_body(request), request.url.path)
+            except TinkerUserError as e:
+                return error(getattr(e, "status", 400), str(e))
             model_id, seq_id = body.get("model_id"), body.get("seq_id")
+            if not isinstance(model_id, str | None) or not isinstance(seq_id, int | None):
+                return error(400, f"{request.url.path}: model_id must be a string and seq_id an integer")
             if model_id in state.runners and seq_id is not None:
                 # Through the model's runner, so its seq_id counts as done and the next request does not wait.
                 fail = lambda: (_ for _ in ()).throw(not_implemented(what))  # noqa: E731
@@ -597,7 +603,7 @@ def build_app(state: ServerState) -> Starlette:
                 if state.futures.journal is not None:
                     rid = state.futures.new(type=request.url.path.rsplit("/", 1)[-1])
                     await asyncio.to_thread(state.futures.finish, rid, Result(error=str(e), category="user"))
-                return error(400, str(e))
+                return error(getattr(e, "status", 400), str(e))
 
         return handler
 

@@ -31,15 +31,12 @@ class FwdBwdIn:
     data: list[DatumIn]
 
 
-def decompress(body: bytes, encoding: str | None) -> bytes:
-    if not encoding or encoding == "identity":
-        return body
-    if encoding == "zstd":
-        import zstandard
-
-        # The SDK's one-shot compressor writes the content size, but a streaming reader also takes frames without it.
-        return zstandard.ZstdDecompressor().decompressobj().decompress(body)
-    raise TinkerUserError(f"Content-Encoding {encoding!r} is not supported (zstd or none)")
+def _tensor(t, i: int, name: str) -> np.ndarray:
+    """A loss input's TensorData as numpy; bytes that disagree with its dtype or shape are the caller's error."""
+    try:
+        return _tensor_data_from_proto(t).to_numpy()
+    except Exception as e:  # noqa: BLE001 - numpy's ValueError, the SDK's own checks: whatever the bytes provoke
+        raise TinkerUserError(f"datum {i}: loss_fn_inputs[{name!r}] is not a valid tensor ({e})") from None
 
 
 def parse_forward_backward(body: bytes) -> FwdBwdIn:
@@ -58,8 +55,11 @@ def parse_forward_backward(body: bytes) -> FwdBwdIn:
             kind = chunk.WhichOneof("chunk")
             if kind != "encoded_text":
                 raise not_implemented(f"{kind} chunks in a model input (datum {i}; only token chunks)")
-            tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
-        inputs = {name: _tensor_data_from_proto(t).to_numpy() for name, t in d.loss_fn_inputs.items()}
+            raw = chunk.encoded_text.tokens
+            if len(raw) % 4:
+                raise TinkerUserError(f"datum {i}: its tokens are {len(raw)} bytes, not a whole number of int32")
+            tokens.extend(np.frombuffer(raw, dtype=np.int32).tolist())
+        inputs = {name: _tensor(t, i, name) for name, t in d.loss_fn_inputs.items()}
         data.append(DatumIn(tokens, inputs))
     return FwdBwdIn(msg.model_id, msg.seq_id or None, msg.loss_fn, config, msg.forward_only, data)
 

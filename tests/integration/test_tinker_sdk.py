@@ -149,6 +149,36 @@ def test_no_request_reaches_the_weights_with_nan_or_a_ruinous_optimizer_step(ser
     assert tc.forward([good], "cross_entropy").result().metrics["loss:sum"] == pytest.approx(before, abs=1e-6)
 
 
+def test_hostile_bodies_are_answered_4xx_and_leave_no_traceback(server, service):
+    """Issue 52 points 9 and 10 with raw HTTP: bad JSON, a list, 100k-deep nesting on the JSON routes, a chunked
+    body past the bound, num_samples of 400 digits, max_tokens 0: each a 4xx naming what is wrong, the server's log
+    free of tracebacks, and the server still serving."""
+    url = f"{server.url}/api/v1"
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for route in ("asample", "unload_model", "create_session", "optim_step"):
+        for body, says in ((b"{not json", "not JSON"), (b"[1, 2]", "must be a JSON object"), (deep, "nested")):
+            r = httpx.post(f"{url}/{route}", content=body, headers={"content-type": "application/json"}, timeout=30)
+            assert r.status_code == 400 and says in r.json()["error"], (route, r.status_code, r.text[:300])
+    r = httpx.post(f"{url}/sessions/session-0/finish", content=b"[]", timeout=30)
+    assert r.status_code in (400, 404), r.text
+
+    def chunks():  # no Content-Length: counted as it streams
+        for _ in range(70):
+            yield b" " * (1 << 20)
+
+    r = httpx.post(f"{url}/asample", content=chunks(), timeout=60)
+    assert r.status_code == 413 and "at most" in r.json()["error"]
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}
+    huge = {"num_samples": 10**400, "prompt": prompt, "sampling_params": {"max_tokens": 4}, "base_model": "tiny-llama"}
+    r = httpx.post(f"{url}/asample", json=huge, timeout=30)
+    assert r.status_code == 400 and "num_samples must be between 1 and" in r.json()["error"], r.text[:300]
+    zero = {"num_samples": 1, "prompt": prompt, "sampling_params": {"max_tokens": 0}, "base_model": "tiny-llama"}
+    r = httpx.post(f"{url}/asample", json=zero, timeout=30)
+    assert r.status_code == 400 and "max_tokens must be at least 1" in r.json()["error"], r.text[:300]
+    assert httpx.get(f"{url}/healthz", timeout=5).status_code == 200
+    assert "Traceback" not in server.log_text()
+
+
 @pytest.mark.filterwarnings("ignore:DEPRECATED. TrainingClient.load_state:FutureWarning")  # still the SDK's API
 def test_killed_server_restarts_from_its_store(server, service):
     """Train two steps, save_state, one more step (the uninterrupted run); SIGKILL; start again on the store."""

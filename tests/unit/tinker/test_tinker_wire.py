@@ -15,10 +15,10 @@ from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa:
 from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response  # noqa: E402
 
 from sluiceway.flows.tinker.futures import FutureStore, Result, SequencedRunner, TinkerUserError  # noqa: E402
+from sluiceway.flows.tinker.limits import BodyTooLarge, inflate  # noqa: E402
 from sluiceway.flows.tinker.sampler import engine_sampling, prompt_tokens  # noqa: E402
 from sluiceway.flows.tinker.wire import (  # noqa: E402
     SequenceOut,
-    decompress,
     forward_backward_output,
     parse_forward_backward,
     sample_response,
@@ -77,7 +77,7 @@ def test_forward_backward_request_round_trip_with_zstd():
     )
     msg = forward_backward_request_to_proto(req)
     body = zstandard.ZstdCompressor().compress(msg.SerializeToString())
-    got = parse_forward_backward(decompress(body, "zstd"))
+    got = parse_forward_backward(inflate(body, "zstd"))
     assert (got.model_id, got.seq_id, got.loss_fn, got.forward_only) == ("s:train:0", 3, "cross_entropy", False)
     assert [d.tokens for d in got.data] == [[1, 2, 3], [5, 6]]
     assert got.data[0].inputs["target_tokens"].tolist() == [2, 3, 4]
@@ -85,7 +85,39 @@ def test_forward_backward_request_round_trip_with_zstd():
     with pytest.raises(TinkerUserError, match="not a ForwardBackwardRequest"):
         parse_forward_backward(b"\xff\xff\xff")
     with pytest.raises(TinkerUserError, match="gzip"):
-        decompress(b"", "gzip")
+        inflate(b"", "gzip")
+
+
+def test_hostile_forward_backward_bodies_are_the_callers_error():
+    """Issue 52 point 9-10: a small zstd body inflating to gigabytes, a corrupt frame, token bytes not a whole number
+    of int32, tensor bytes that disagree with their dtype and shape: each a TinkerUserError (a 400/413), never
+    a 500 or the memory they would take."""
+    import zstandard
+
+    bomb = zstandard.ZstdCompressor().compress(b"\0" * (3 << 20))  # 3 MiB of zeros: a few hundred bytes
+    with pytest.raises(BodyTooLarge, match="inflates past 1048576 bytes"):
+        inflate(bomb, "zstd", limit=1 << 20)
+    assert len(inflate(bomb, "zstd", limit=4 << 20)) == 3 << 20
+    with pytest.raises(TinkerUserError, match="cannot be decompressed"):
+        inflate(b"\x28\xb5\x2f\xfd" + b"\x00garbage" * 10, "zstd")
+
+    from tinker.proto import tinker_public_pb2 as pb
+
+    def request(tokens: bytes, tensor=None) -> bytes:
+        msg = pb.ForwardBackwardRequest(model_id="s:train:0", loss_fn="cross_entropy")
+        d = msg.data.add()
+        d.model_input.add().encoded_text.tokens = tokens
+        if tensor is not None:
+            d.loss_fn_inputs["weights"].CopyFrom(tensor)
+        return msg.SerializeToString()
+
+    with pytest.raises(TinkerUserError, match="datum 0: its tokens are 5 bytes"):
+        parse_forward_backward(request(b"\x01\x00\x00\x00\x02"))
+    for bad in (pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[3], dense=b"\x00" * 5),  # not whole float32s
+                pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[3], dense=b"\x00" * 8),  # 2 values for a shape of 3
+                pb.Tensor(dtype=pb.DTYPE_UNSPECIFIED, shape=[1], dense=b"\x00" * 4)):  # fmt: skip
+        with pytest.raises(TinkerUserError, match=r"datum 0: loss_fn_inputs\['weights'\] is not a valid tensor"):
+            parse_forward_backward(request(b"\x01\x00\x00\x00", bad))
 
 
 def test_results_decode_with_the_sdk():
