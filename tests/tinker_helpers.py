@@ -23,10 +23,11 @@ class TinkerServer:
     """The server on a store in a temporary directory (`base`), with the session's cache; kill() and start()
     again on the same port and store."""
 
-    def __init__(self, base: Path, cache: Path, base_model: str = "tiny-llama", server_id: str = "it") -> None:
+    def __init__(self, base: Path, cache: Path, base_model: str = "tiny-llama", server_id: str = "it",
+                 extra: tuple[str, ...] = ()) -> None:  # fmt: skip
         self.base, self.port, self.store = base, free_port(), base / "store"
         base.mkdir(parents=True, exist_ok=True)
-        self.base_model, self.server_id = base_model, server_id
+        self.base_model, self.server_id, self.extra = base_model, server_id, extra
         self.env = dict(os.environ, SLUICEWAY_CACHE=str(cache), HF_HUB_OFFLINE="1", TINKER_TELEMETRY="0")
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -36,7 +37,7 @@ class TinkerServer:
         self.starts += 1
         cmd = [sys.executable, "-m", "sluiceway.flows.cli", "tinker", "serve", "--base-model", self.base_model,
                "--port", str(self.port), "--work-dir", str(self.base / "work"), "--store", str(self.store),
-               "--server-id", self.server_id]  # fmt: skip
+               "--server-id", self.server_id, *self.extra]  # fmt: skip
         log_path = self.base / f"server{self.starts}.log"
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)

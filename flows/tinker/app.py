@@ -18,11 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from tinker import types
 
+from sluiceway.flows.tinker.access import NotAuthenticated, NotFound, caller, session_of
 from sluiceway.flows.tinker.adam import check_adam
 from sluiceway.flows.tinker.futures import (
     PROTOBUF,
@@ -69,6 +72,8 @@ class ServerState:
     # run at once and the engine batches them (the cookbook sends a group's samples as separate requests at once)
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(16, thread_name_prefix="tinker"))
     samplers: Any = None
+    keys: frozenset[str] | None = None  # digests of --api-keys-file's keys; None: no keys, one user (access.py)
+    owners: dict[str, str | None] = field(default_factory=dict)  # future or sampling session id -> its key's digest
 
     def __post_init__(self) -> None:
         from sluiceway.flows.tinker.sampler import Samplers
@@ -177,6 +182,21 @@ class ServerState:
             except Exception:  # noqa: BLE001
                 log.exception("tinker: the training run of %s could not be written to the store", model_id)
 
+    def check_owner(self, owner: str | None, ident: str, what: str) -> None:
+        """NotFound unless `ident` (a session or model id, a tinker:// path) belongs to the key `owner`; a session
+        this server does not know is left to the route to call unknown."""
+        if self.keys is None:
+            return
+        session = self.session(session_of(ident))
+        if session is not None and session.get("owner") != owner:
+            raise NotFound(f"unknown {what} {ident!r}")
+
+    def check_item(self, owner: str | None, item: str, what: str) -> None:
+        """NotFound unless the future or sampling session `item` was made with the key `owner` (one made before a
+        restart has no owner in memory: with keys, it is unknown)."""
+        if self.keys is not None and self.owners.get(item, "") != owner:
+            raise NotFound(f"unknown {what} {item!r}")
+
     def model(self, model_id: str):
         m = self.models.get(model_id)
         if m is None:
@@ -206,10 +226,23 @@ def future_response(rid: str, model_id: str | None = None, **extra) -> JSONRespo
 
 
 def build_app(state: ServerState) -> Starlette:
+    def owner(request: Request) -> str | None:
+        return getattr(request.state, "owner", None)
+
+    async def authenticate(request: Request, call_next) -> Response:
+        """Every route but the health check needs one of the server's keys, when it has keys (access.py)."""
+        if request.url.path != "/api/v1/healthz":
+            try:
+                request.state.owner = caller(state.keys, request.headers)
+            except NotAuthenticated as e:
+                return error(401, str(e))
+        return await call_next(request)
+
     def submit(model_id: str, seq_id: int | None, fn, **info) -> str:
         """Queue `fn` on the model's runner (its seq_id order) and answer its request id at once; `info` describes
         the request for its row in the journal."""
         rid = state.futures.new(model_id=model_id, seq_id=seq_id, **info)
+        state.owners[rid] = (state.session(session_of(model_id)) or {}).get("owner")
         state.last_request[model_id] = _dt.datetime.now(_dt.UTC)
         with state.lock:
             runner = state.runners.get(model_id)
@@ -219,8 +252,9 @@ def build_app(state: ServerState) -> Starlette:
             runner.submit(seq_id, lambda: state.futures.run(rid, fn))
         return rid
 
-    def failed_future(exc: TinkerUserError, **info) -> JSONResponse:
+    def failed_future(exc: TinkerUserError, owner: str | None = None, **info) -> JSONResponse:
         rid = state.futures.new(**info)
+        state.owners[rid] = owner
         state.futures.finish(rid, Result(error=str(exc), category="user"))
         return future_response(rid)
 
@@ -242,11 +276,12 @@ def build_app(state: ServerState) -> Starlette:
     async def create_session(request: Request) -> Response:
         req = await parse(request, types.CreateSessionRequest)
         sid = f"session-{uuid.uuid4().hex[:16]}"
-        state.save_session(sid, {"tags": req.tags, "sdk_version": req.sdk_version})
+        state.save_session(sid, {"tags": req.tags, "sdk_version": req.sdk_version, "owner": owner(request)})
         return JSONResponse(types.CreateSessionResponse(session_id=sid).model_dump(mode="json"))
 
     async def heartbeat(request: Request) -> Response:
         req = await parse(request, types.SessionHeartbeatRequest)
+        state.check_owner(owner(request), req.session_id, "session")
         if state.session(req.session_id) is None:
             return error(404, f"unknown session {req.session_id!r}")
         if "finished" in state.sessions[req.session_id]:
@@ -256,6 +291,7 @@ def build_app(state: ServerState) -> Starlette:
     async def finish_session(request: Request) -> Response:
         """ServiceClient.close(status): the session ends (first reason wins) and its models are let go."""
         sid = request.path_params["session_id"]
+        state.check_owner(owner(request), sid, "session")
         session = state.session(sid)
         if session is None:
             return error(404, f"unknown session {sid!r}")
@@ -273,6 +309,7 @@ def build_app(state: ServerState) -> Starlette:
         from sluiceway.flows.tinker.model import TinkerModel
 
         req = await parse(request, types.CreateModelRequest)
+        state.check_owner(owner(request), req.session_id, "session")
         if state.session(req.session_id) is None:
             raise TinkerUserError(f"unknown session {req.session_id!r}")
         if not state.matches_base(req.base_model):
@@ -304,6 +341,7 @@ def build_app(state: ServerState) -> Starlette:
 
     async def get_info(request: Request) -> Response:
         req = await parse(request, types.GetInfoRequest)
+        state.check_owner(owner(request), req.model_id, "model_id")
         m = state.model(req.model_id)
         # The tokenizer is named by the local directory, so the SDK's get_tokenizer loads it offline; model_name
         # too, because a sampling client made by save_weights_and_get_sampling_client loads from the model name.
@@ -318,6 +356,7 @@ def build_app(state: ServerState) -> Starlette:
             raise TinkerUserError("forward_backward takes a protobuf body (tinker>=0.25); this SDK sent JSON")
         body = inflate(await read_body(request), request.headers.get("content-encoding"))
         req = parse_forward_backward(body)
+        state.check_owner(owner(request), req.model_id, "model_id")
         m = state.model(req.model_id)
 
         def run() -> Result:
@@ -331,6 +370,7 @@ def build_app(state: ServerState) -> Starlette:
 
     async def optim_step(request: Request) -> Response:
         req = await parse(request, types.OptimStepRequest)
+        state.check_owner(owner(request), req.model_id, "model_id")
         m = state.model(req.model_id)
         if not isinstance(req.optim_params, types.AdamParams):
             raise not_implemented(f"optimizer parameters of type {getattr(req.optim_params, 'type', '?')!r}")
@@ -346,7 +386,10 @@ def build_app(state: ServerState) -> Starlette:
 
     async def save_for_sampler(request: Request) -> Response:
         req = await parse(request, types.SaveWeightsForSamplerRequest)
+        state.check_owner(owner(request), req.model_id, "model_id")
         m = state.model(req.model_id)
+        if req.path is not None:
+            check_name(req.path)  # it becomes part of a tinker:// path and a file name on the store
 
         def run() -> Result:
             path = m.save_for_sampler(state.work_dir / "sampler_weights" / req.model_id.replace(":", "_"))
@@ -376,6 +419,7 @@ def build_app(state: ServerState) -> Starlette:
         from sluiceway.storage.tinker import state_info, upload_state
 
         req = await parse(request, types.SaveWeightsRequest)
+        state.check_owner(owner(request), req.model_id, "model_id")
         m = state.model(req.model_id)
         store = need_store("save_state")
         name = req.path or f"state-{uuid.uuid4().hex[:12]}"
@@ -409,6 +453,8 @@ def build_app(state: ServerState) -> Starlette:
         req = await parse(request, types.LoadWeightsRequest)
         store = need_store("load_state")
         src_model, name = parse_state_path(req.path)
+        state.check_owner(owner(request), src_model, "state")
+        state.check_owner(owner(request), req.session_id or req.model_id or "", "session or model_id")
         if req.session_id is not None:  # create-via-load: the load is the new model's first request
             if state.session(req.session_id) is None:
                 raise TinkerUserError(f"unknown session {req.session_id!r}")
@@ -459,7 +505,9 @@ def build_app(state: ServerState) -> Starlette:
 
     async def create_sampling_session(request: Request) -> Response:
         req = await parse(request, types.CreateSamplingSessionRequest)
+        state.check_owner(owner(request), req.session_id, "session")
         if req.model_path is not None:
+            state.check_owner(owner(request), req.model_path, "model_path")
             path = state.sampler_dir(req.model_path)
         elif state.matches_base(req.base_model):
             path = state.base_dir
@@ -467,10 +515,12 @@ def build_app(state: ServerState) -> Starlette:
             raise TinkerUserError(f"base_model {req.base_model!r}: this server serves {state.base_model!r}")
         sid = f"sampler-{uuid.uuid4().hex[:16]}"
         state.sampling_sessions[sid] = (path, req.model_path)
+        state.owners[sid] = owner(request)
         return JSONResponse(types.CreateSamplingSessionResponse(sampling_session_id=sid).model_dump(mode="json"))
 
     async def get_sampler(request: Request) -> Response:
         sid = request.path_params["sampler_id"]
+        state.check_item(owner(request), sid, "sampler")
         if sid not in state.sampling_sessions:
             return error(404, f"unknown sampler {sid!r}")
         _, model_path = state.sampling_sessions[sid]
@@ -483,10 +533,12 @@ def build_app(state: ServerState) -> Starlette:
         req = await parse_json(request, body, types.SampleRequest)
         check_sample_sizes(req.num_samples, req.sampling_params.max_tokens if req.sampling_params else None)
         if req.sampling_session_id is not None:
+            state.check_item(owner(request), req.sampling_session_id, "sampling_session_id")
             if req.sampling_session_id not in state.sampling_sessions:
                 raise TinkerUserError(f"unknown sampling_session_id {req.sampling_session_id!r}")
             model_dir, sampler_path = state.sampling_sessions[req.sampling_session_id]
         elif req.model_path is not None:
+            state.check_owner(owner(request), req.model_path, "model_path")
             model_dir, sampler_path = state.sampler_dir(req.model_path), req.model_path
         elif state.matches_base(req.base_model):
             model_dir, sampler_path = state.base_dir, None
@@ -494,6 +546,7 @@ def build_app(state: ServerState) -> Starlette:
             raise TinkerUserError(f"base_model {req.base_model!r}: this server serves {state.base_model!r}")
         prompt_len = req.prompt.length if req.prompt is not None else 0
         rid = state.futures.new(type="asample", num_datums=req.num_samples)
+        state.owners[rid] = owner(request)
 
         def run() -> Result:
             seqs, prompt_lps = state.samplers.sample(model_dir, body)
@@ -508,6 +561,7 @@ def build_app(state: ServerState) -> Starlette:
 
     async def retrieve_future(request: Request) -> Response:
         req = await parse(request, types.FutureRetrieveRequest)
+        state.check_item(owner(request), req.request_id, "request_id")
         if not state.futures.known(req.request_id):
             # 404 is final for the SDK. With a store, a request finished before a restart is known (its result
             # was written before it was answered); one still running when the server died is not.
@@ -524,6 +578,10 @@ def build_app(state: ServerState) -> Starlette:
         """RestClient.get_training_run(_by_tinker_path): the cookbook reads the renderer name its recipes put in
         the user_metadata of create_model back from here before it resumes or loads a checkpoint."""
         run_id = request.path_params["run_id"]
+        try:
+            state.check_owner(owner(request), run_id, "training run")
+        except NotFound as e:
+            return error(404, str(e))
         record = await asyncio.to_thread(state.training_run, run_id)
         if record is None:
             return error(404, f"unknown training run {run_id!r} (a model id of this server)")
@@ -532,7 +590,7 @@ def build_app(state: ServerState) -> Starlette:
         body = types.TrainingRun(
             training_run_id=run_id,
             base_model=record.get("base_model") or state.base_model,
-            model_owner="local",  # no accounts: the key is not checked
+            model_owner="local",  # keys, when the server has them, are not accounts: no owner name to give
             is_lora=rank > 0,
             lora_rank=rank or None,
             last_request_time=max(updated, state.last_request.get(run_id, updated)),
@@ -549,6 +607,10 @@ def build_app(state: ServerState) -> Starlette:
 
         run_id, kind, name = (request.path_params[k] for k in ("run_id", "kind", "name"))
         tinker_path = f"tinker://{run_id}/{kind}/{name}"
+        try:
+            state.check_owner(owner(request), run_id, "training run")
+        except NotFound as e:
+            return error(404, str(e))
 
         def run() -> Result:
             if kind == "weights":
@@ -580,11 +642,14 @@ def build_app(state: ServerState) -> Starlette:
             model_id, seq_id = body.get("model_id"), body.get("seq_id")
             if not isinstance(model_id, str | None) or not isinstance(seq_id, int | None):
                 return error(400, f"{request.url.path}: model_id must be a string and seq_id an integer")
-            if model_id in state.runners and seq_id is not None:
+            mine = model_id is None or state.keys is None or (state.session(session_of(model_id)) or {}).get(
+                "owner") == owner(request)  # fmt: skip
+            if mine and model_id in state.runners and seq_id is not None:
                 # Through the model's runner, so its seq_id counts as done and the next request does not wait.
                 fail = lambda: (_ for _ in ()).throw(not_implemented(what))  # noqa: E731
                 return future_response(submit(model_id, seq_id, fail, type=route))
-            return failed_future(not_implemented(what), type=route, model_id=model_id, seq_id=seq_id)
+            return failed_future(not_implemented(what), owner(request), type=route, model_id=model_id if mine else None,
+                                 seq_id=seq_id)  # fmt: skip
 
         return handler
 
@@ -635,7 +700,7 @@ def build_app(state: ServerState) -> Starlette:
         Route("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}", delete_checkpoint, methods=["DELETE"]),
         Route("/{rest:path}", fallback, methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
     ]
-    return Starlette(routes=routes)
+    return Starlette(routes=routes, middleware=[Middleware(BaseHTTPMiddleware, dispatch=authenticate)])
 
 
 def sampler_key(tinker_path: str) -> str:
