@@ -154,15 +154,23 @@ def write_json(store: ObjectStore, path: str, value: Any) -> None:
         os.replace(tmp, path)
 
 
+class DamagedRecord(ValueError):
+    """A record or saved state on the store that is not what was written (its message names it)."""
+
+
 def read_json(store: ObjectStore, path: str) -> Any | None:
-    """The JSON at ``path``, or None when there is none."""
+    """The JSON at ``path``, or None when there is none; DamagedRecord naming the path when it is not JSON."""
     fs = store.filesystem()
     with store.redacting():
         fs.invalidate_cache(path)
         if not fs.exists(path):
             return None
         with fs.open(path) as f:
-            return json.loads(f.read())
+            raw = f.read()
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise DamagedRecord(f"{path} is damaged (not JSON: {e})") from None
 
 
 def result_record(json_body: dict | None, proto: bytes | None, error: str | None, category: str) -> dict:
@@ -209,7 +217,7 @@ def download_state(store: ObjectStore, server_id: str, model_id: str, name: str,
     import shutil
     from pathlib import Path
 
-    from sluiceway.storage.checkpoints import verified
+    from sluiceway.storage.checkpoints import checkpoint_problem
 
     info = state_info(store, server_id, model_id, name)
     if info is None:
@@ -223,7 +231,10 @@ def download_state(store: ObjectStore, server_id: str, model_id: str, name: str,
         fs.invalidate_cache(source)
         for remote in fs.ls(source, detail=False):
             fs.get_file(remote, str(local_dir / remote.rstrip("/").rsplit("/", 1)[-1]))
-    verified(local_dir)
+    problem = checkpoint_problem(local_dir)
+    if problem is not None:  # named by its tinker:// path and place on the store, not the temporary copy
+        raise DamagedRecord(f"tinker://{model_id}/weights/{name} ({source}) is damaged: {problem}; nothing was "
+                            "loaded from it")  # fmt: skip
     return info
 
 

@@ -448,7 +448,7 @@ def build_app(state: ServerState) -> Starlette:
         create_training_client_from_state(_with_optimizer): a new model made from the saved state (session_id +
         model_seq_id; its LoRA rank and base model are the checkpoint's)."""
         from sluiceway.flows.tinker.model import TinkerModel
-        from sluiceway.storage.tinker import download_state, state_info
+        from sluiceway.storage.tinker import DamagedRecord, download_state, state_info
 
         req = await parse(request, types.LoadWeightsRequest)
         store = need_store("load_state")
@@ -474,7 +474,12 @@ def build_app(state: ServerState) -> Starlette:
             state.model(model_id)
 
         def run() -> Result:
-            info = state_info(store, state.server_id, src_model, name)
+            try:
+                return load(state_info(store, state.server_id, src_model, name))
+            except DamagedRecord as e:  # its tinker:// path and place on the store, not a JSON error or a tmp dir
+                raise TinkerUserError(str(e)) from None
+
+        def load(info: dict | None) -> Result:
             if info is None:
                 raise TinkerUserError(f"{req.path}: no state saved under this name on this server's store "
                                       f"({state.server_id})")  # fmt: skip

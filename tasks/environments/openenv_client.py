@@ -60,6 +60,11 @@ class StepResult:
         return cls(data["observation"], data.get("reward"), bool(data.get("done", False)), meta or {})
 
 
+# The largest answer read from an environment server (an observation with images fits; 100 MB had been read
+# whole, and a failure while reading it named no environment).
+MAX_MESSAGE_BYTES = 16 << 20
+
+
 def http_url(url: str) -> str:
     """The server's base URL as http(s)://host:port[/path], without a trailing slash."""
     url = url.rstrip("/")
@@ -108,7 +113,7 @@ class OpenEnvSession:
     async def open(self) -> None:
         try:
             self._ws = await connect(
-                self.url, open_timeout=self.connect_timeout_s, max_size=None, ping_interval=None,
+                self.url, open_timeout=self.connect_timeout_s, max_size=MAX_MESSAGE_BYTES, ping_interval=None,
                 close_timeout=2, **_no_proxy(self.url),
             )  # fmt: skip
         except (OSError, InvalidHandshake, InvalidURI, TimeoutError) as e:
@@ -141,6 +146,9 @@ class OpenEnvSession:
             raise AnswerTimeout(f"the environment did not answer {what} within {self.timeout_s:g} s") from None
         except ConnectionClosed as e:
             self._ws = None
+            if e.sent is not None and e.sent.code == 1009:  # we closed it: the frame was over max_size
+                raise EnvironmentFailed(f"the environment's answer to {what} is over {MAX_MESSAGE_BYTES} bytes; "
+                                        "it was not read") from None  # fmt: skip
             raise EnvironmentFailed(
                 f"the environment server closed the connection during {what} "
                 f"({f'close code {e.rcvd.code}' if e.rcvd else 'no close frame'})"
@@ -150,6 +158,8 @@ class OpenEnvSession:
             raise EnvironmentFailed(f"the connection to the environment server failed during {what}: {e}") from None
         try:
             answer = json.loads(raw)
+        except RecursionError:
+            raise EnvironmentFailed(f"the environment's answer to {what} is JSON nested too deeply") from None
         except (TypeError, ValueError):
             raise EnvironmentFailed(f"the environment's answer to {what} is not JSON: {_short(str(raw))}") from None
         if not isinstance(answer, dict):

@@ -217,6 +217,38 @@ def test_a_reward_that_is_not_a_number_from_a_protocol_server_fails_the_sample(t
     assert res.abort_reason == "openenv: the environment's reward at step 1 is not a number: 'lots'"
 
 
+@pytest.mark.parametrize(
+    ("answer", "says"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "openenv: the environment's answer to reset is JSON nested too deeply"),
+        (b'{"type": "observation", "data": "' + b"x" * (17 << 20) + b'"}', "is over 16777216 bytes; it was not read"),
+    ],
+    ids=["100k-deep", "17-MB"],
+)
+def test_an_answer_too_deep_or_too_large_fails_the_sample_naming_openenv(tiny, answer, says):
+    """Issue 52 point 13: these had read 'the agent function raised RecursionError / ReadError'."""
+    _, tok = tiny
+
+    async def handler(ws):
+        async for raw in ws:
+            if json.loads(raw)["type"] == "close":
+                return
+            await ws.send(answer.decode())
+
+    async def go():
+        async with serve(handler, "127.0.0.1", 0, max_size=None) as server:
+            port = server.sockets[0].getsockname()[1]
+            gen = OpenEnvGenerate(RemoteServer(f"http://127.0.0.1:{port}"), MOVE, EpisodeOptions())
+            engine = ScriptedEngine(tok, ["nothing"])
+            try:
+                return await play(tok, gen, engine)
+            finally:
+                gen.close()
+
+    res = asyncio.run(go())
+    assert says in res.abort_reason and res.abort_reason.startswith("openenv: "), res.abort_reason
+
+
 def test_mistakes_are_one_line_before_the_run_starts():
     _python()
     with pytest.raises(UserError, match="has no 'Nope'"):

@@ -57,9 +57,8 @@ def test_results_and_rows_outlive_the_store_object(tmp_path):
 
 def test_saved_state_round_trip_and_paths(tmp_path):
     from sluiceway.flows.tinker.app import parse_state_path
-    from sluiceway.infra.errors import Fault
     from sluiceway.storage.digests import file_digests
-    from sluiceway.storage.tinker import download_state, state_info, upload_state
+    from sluiceway.storage.tinker import DamagedRecord, download_state, state_info, upload_state
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -72,9 +71,14 @@ def test_saved_state_round_trip_and_paths(tmp_path):
     upload_state(store, "srv", "s1:train:0", "a", ckpt, {"base_model": "tiny-llama", "lora_rank": 4})  # overwrite
     info = download_state(store, "srv", "s1:train:0", "a", tmp_path / "back")
     assert info["base_model"] == "tiny-llama" and (tmp_path / "back" / "tp0.pt").read_bytes() == b"weights"
-    (tmp_path / "store" / "tinker" / "srv" / "weights" / "s1:train:0" / "a" / "tp0.pt").write_bytes(b"damaged")
-    with pytest.raises(Fault, match="damaged"):
+    saved = tmp_path / "store" / "tinker" / "srv" / "weights" / "s1:train:0" / "a"
+    (saved / "tp0.pt").write_bytes(b"damaged")
+    # Named by its tinker:// path and its place on the store, never the temporary directory it was fetched into
+    with pytest.raises(DamagedRecord, match=r"tinker://s1:train:0/weights/a \(.*srv/weights/s1:train:0/a\) is damaged"):
         download_state(store, "srv", "s1:train:0", "a", tmp_path / "again")
+    (saved / "tinker.json").write_text('{"base_model": "tiny-ll')  # cut short
+    with pytest.raises(DamagedRecord, match=r"srv/weights/s1:train:0/a/tinker.json is damaged \(not JSON"):
+        state_info(store, "srv", "s1:train:0", "a")
 
     assert parse_state_path("tinker://session-1:train:0/weights/step-2") == ("session-1:train:0", "step-2")
     for bad in ("tinker://m/sampler_weights/x", "tinker://m/weights/..", "s3://m/weights/x", "tinker://a/b/weights/x"):
