@@ -17,6 +17,9 @@ def add_parser(sub) -> None:
                         "TINKER_API_KEY) and sees only the sessions, models, states and futures made with "
                         "it")  # fmt: skip
     s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--micro-batch-tokens", type=int, default=None,
+                   help="token positions (datums x their longest) a forward_backward holds at once: memory against "
+                        "speed (default 4096)")  # fmt: skip
     s.add_argument("--work-dir", default=".sluiceway/tinker", help="where saved sampler weights are written")
     s.add_argument("--device", default="cpu", help="the trainer's device: cpu or cuda")
     s.add_argument("--store", default=None,
@@ -35,6 +38,7 @@ def run(args) -> int:
 
     from sluiceway.flows.tinker.access import read_keys
     from sluiceway.flows.tinker.app import ServerState, build_app
+    from sluiceway.flows.tinker.model import MICRO_BATCH_TOKENS
     from sluiceway.infra.errors import UserError
     from sluiceway.models.zoo import resolve_checkpoint
     from sluiceway.storage.object_store import ObjectStore
@@ -58,7 +62,8 @@ def run(args) -> int:
     # One server per (store, server id): two would both append to its journal and overwrite its states.
     with hold(work_dir, store, f"tinker-{args.server_id}", "tinker serve"):
         state = ServerState(args.base_model, Path(base_dir), work_dir, device=args.device, store=store,
-                            server_id=args.server_id, keys=keys)  # fmt: skip
+                            server_id=args.server_id, keys=keys,
+                            micro_batch_tokens=args.micro_batch_tokens or MICRO_BATCH_TOKENS)  # fmt: skip
         print(f"sluiceway tinker: serving {args.base_model} on http://{args.host}:{args.port} (store {store}, "
               f"server id {args.server_id})", flush=True)  # fmt: skip
         try:

@@ -73,6 +73,7 @@ class ServerState:
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(16, thread_name_prefix="tinker"))
     samplers: Any = None
     keys: frozenset[str] | None = None  # digests of --api-keys-file's keys; None: no keys, one user (access.py)
+    micro_batch_tokens: int = 4096  # token positions of a forward_backward micro-batch (--micro-batch-tokens)
     owners: dict[str, str | None] = field(default_factory=dict)  # future or sampling session id -> its key's digest
 
     def __post_init__(self) -> None:
@@ -331,6 +332,7 @@ def build_app(state: ServerState) -> Starlette:
         def build() -> Result:
             rank = 0 if lora is None else lora.rank
             m = TinkerModel(model_id, state.base_dir, rank, None if lora is None else lora.seed, state.device)
+            m.micro_batch_tokens = state.micro_batch_tokens
             state.models[model_id] = m
             state.update_training_run(model_id, base_model=req.base_model or state.base_model, lora_rank=rank,
                                       user_metadata=str_metadata(req.user_metadata), created_at=now_iso())  # fmt: skip
@@ -495,6 +497,7 @@ def build_app(state: ServerState) -> Starlette:
                 created = m is None
                 if created:
                     m = TinkerModel(model_id, state.base_dir, info["lora_rank"], info.get("seed"), state.device)
+                    m.micro_batch_tokens = state.micro_batch_tokens
                 m.load_state(local, req.optimizer)
             state.models[model_id] = m
             if created:  # a training run of its own, made from the state (as create_model makes one)

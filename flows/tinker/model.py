@@ -21,6 +21,27 @@ from sluiceway.flows.tinker.futures import TinkerUserError
 from sluiceway.flows.tinker.losses import LOSS_INPUTS, elementwise_loss, loss_config
 from sluiceway.flows.tinker.wire import DatumIn
 
+# Token positions (datums x their longest, padded) one micro-batch of a forward_backward holds: its activations and
+# graph are freed before the next, so a cookbook batch of 256 episodes takes a few GB instead of all of them at once
+# (issue 52: tinker-cookbook's guess_number on SmolLM2 reached 23 GB).
+MICRO_BATCH_TOKENS = 4096
+
+
+def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Consecutive datums grouped so that count x longest <= `budget` (a longer datum alone); their order kept."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if cur and (len(cur) + 1) * max(longest, n) > budget:
+            out.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, n)
+    if cur:
+        out.append(cur)
+    return out
+
 
 class TinkerModel:
     def __init__(self, model_id: str, hf_dir: Path, lora_rank: int, seed: int | None, device: str) -> None:
@@ -38,6 +59,7 @@ class TinkerModel:
         self.steps = 0  # optimizer steps taken
         self.saved = 0  # weight versions written (their directory numbers)
         self.lock = threading.Lock()  # the runner thread trains; get_info only reads
+        self.micro_batch_tokens = MICRO_BATCH_TOKENS
 
     def forward_backward(
         self, data: list[DatumIn], loss_fn: str, config: dict, forward_only: bool
@@ -49,24 +71,39 @@ class TinkerModel:
             raise TinkerUserError("forward_backward needs at least one datum")
         tensors = [self._check(i, d, loss_fn) for i, d in enumerate(data)]
         t = self.trainer
+        outputs: list[dict[str, np.ndarray]] = []
+        total = 0.0
         with self.lock, torch.set_grad_enabled(not forward_only):
             t.model.train(not forward_only)
-            logps = self._logprobs([d.tokens for d in data], [x["target_tokens"] for x in tensors])
-            losses = [elementwise_loss(loss_fn, lp, inputs, settings) for lp, inputs in zip(logps, tensors)]
-            total = torch.stack([x.sum() for x in losses]).sum()
-            if not forward_only:
-                bad = [i for i, x in enumerate(losses) if not bool(torch.isfinite(x.detach()).all())]
-                if bad:  # its gradient would reach the weights at the next optim_step: nothing is accumulated
-                    raise TinkerUserError(
-                        f"datum {bad[0]}: its {loss_fn} loss is not finite (a log-prob ratio "
-                        "beyond float range?); nothing of this forward_backward was accumulated"
-                    )
-                total.backward()
-        outputs = [
-            {"logprobs": lp.detach().float().cpu().numpy(), "elementwise_loss": x.detach().float().cpu().numpy()}
-            for lp, x in zip(logps, losses)
-        ]  # fmt: skip
-        return outputs, {"loss:sum": float(total.detach())}
+            chunks = micro_batches([len(d.tokens) for d in data], self.micro_batch_tokens)
+            # Backward adds into .grad in place: a copy, to take back if a later micro-batch fails.
+            keep = not forward_only and len(chunks) > 1
+            before = [None if p.grad is None else p.grad.clone() for p in t.trainable.parameters()] if keep else None
+            try:
+                for chunk in chunks:
+                    part = [tensors[i] for i in chunk]
+                    logps = self._logprobs([data[i].tokens for i in chunk], [x["target_tokens"] for x in part])
+                    losses = [elementwise_loss(loss_fn, lp, inputs, settings) for lp, inputs in zip(logps, part)]
+                    loss = torch.stack([x.sum() for x in losses]).sum()
+                    if not forward_only:
+                        bad = [i for i, x in zip(chunk, losses) if not bool(torch.isfinite(x.detach()).all())]
+                        if bad:  # its gradient would reach the weights at the next optim_step
+                            raise TinkerUserError(f"datum {bad[0]}: its {loss_fn} loss is not finite (a log-prob "
+                                                  "ratio beyond float range?); nothing of this forward_backward "
+                                                  "was accumulated")  # fmt: skip
+                        loss.backward()  # the graph of this micro-batch goes: memory is one micro-batch's
+                    total += float(loss.detach())
+                    outputs += [
+                        {"logprobs": lp.detach().float().cpu().numpy(),
+                         "elementwise_loss": x.detach().float().cpu().numpy()}
+                        for lp, x in zip(logps, losses)
+                    ]  # fmt: skip
+            except BaseException:
+                if before is not None:  # what earlier micro-batches of this call added is taken back
+                    for p, g in zip(t.trainable.parameters(), before):
+                        p.grad = g
+                raise
+        return outputs, {"loss:sum": total}
 
     def _check(self, i: int, d: DatumIn, loss_fn: str) -> dict[str, torch.Tensor]:
         """The datum's loss inputs as tensors on the trainer's device, each the length of its tokens."""

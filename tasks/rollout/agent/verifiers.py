@@ -8,8 +8,8 @@ rollout in an `X-Session-ID` header (its trace's id): when verifiers mints the t
 the id is registered as the session's alias, and that header is what routes each call to its session. The client
 config is the run's one (the endpoint's root URL and a gateway key that opens only sessions registered for it,
 each by its alias): verifiers keeps a client per distinct config until it stops, one per session would pile up.
-The key reaches verifiers' client through SLUICEWAY_VERIFIERS_API_KEY in the run's environment, which neither the
-run's child processes nor verifiers' subprocess runtime pass on (no variable whose name holds API_KEY is).
+The key reaches verifiers' client through SLUICEWAY_VERIFIERS_API_KEY in the worker's environment (never the run's),
+which verifiers' subprocess runtime does not pass on (no variable whose name holds API_KEY is).
 
 The row: the session's tokens (mask 1 the model's, 0 the rest), reward the trace's (its rubric's weighted sum,
 `Trace.reward`), `reward_details` `{"source": "verifiers", "rewards": {name: {"score", "weight"}}, "metrics"}`
@@ -17,8 +17,10 @@ and the same under the row's `metadata.verifiers`. A failed episode (the environ
 reward that is not a finite number, a harness that exited with an error) is the sample's failure: stored as
 aborted with the reason in `metadata.abort_reason`, the run goes on.
 
-The environment's serving resources (verifiers' interception server, shared tool servers) live on the endpoint's
-event loop from the first sample until `close`.
+The environment's code runs in a worker process of its own, one per source (verifiers_worker.py: `Episodes` is its
+side): its serving resources (verifiers' interception server, shared tool servers) live on the worker's loop from
+the first sample until `close`, and the episode's model calls reach the run's endpoint over HTTP. A reward that
+exits the process or blocks its loop costs the samples in the worker at that moment, never the run (issue 52).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from sluiceway.storage.trajectories import reward_problem
 from sluiceway.tasks.environments import verifiers_env
 from sluiceway.tasks.rollout.agent.proxy import AgentGenerate
 from sluiceway.tasks.rollout.agent.server import AgentProxy, one_line
-from sluiceway.tasks.rollout.agent.session import DROPPED, AgentSession
+from sluiceway.tasks.rollout.agent.session import DROPPED
+from sluiceway.tasks.rollout.agent.verifiers_worker import EpisodeWorker, WorkerGone
 from sluiceway.tasks.rollout.multiturn import GenerateContext, TokenBuffer
 
 log = logging.getLogger("sluiceway")
@@ -69,89 +72,98 @@ def _message(text: str) -> str:
     return one_line(" ".join(lines), 300)
 
 
-def judge_episode(episode, session_turns: int) -> tuple[float | None, str | None, dict]:
-    """(reward, why the sample failed, what the row records) of a finished episode. Plain logic over verifiers'
-    Episode and Trace."""
-    info: dict[str, Any] = {}
+def episode_summary(episode) -> dict:
+    """What judging an episode needs, as plain data: it crosses from the worker process to the run (a verifiers
+    Episode does not). Plain logic over verifiers' Episode and Trace."""
     traces = list(episode.traces)
+    errors = _errors(episode)
+    out: dict[str, Any] = {
+        "traces": len(traces),
+        "ok": bool(episode.ok),
+        "timed_out": bool(episode.is_timeout or any(t.is_timeout for t in traces)),
+        "error": (str(errors[0].type), str(errors[0].message)) if errors else None,
+        "trace": None,
+    }
     if traces:
         t = traces[0]
+        rewards = {k: None if r is None else (r.score, r.weight) for k, r in t.rewards.items()}
+        try:
+            total = t.reward if all(r is not None for r in rewards.values()) else None
+        except Exception:  # noqa: BLE001 - a sum verifiers cannot make: judged from the rewards themselves
+            total = None
+        out["trace"] = {"id": t.id, "rewards": rewards, "metrics": dict(t.metrics), "calls": len(t.calls),
+                        "branches": t.num_branches, "stop_condition": t.stop_condition, "ok": bool(t.ok),
+                        "reward": total}  # fmt: skip
+    return out
+
+
+def judge_summary(summary: dict, session_turns: int) -> tuple[float | None, str | None, dict]:
+    """(reward, why the sample failed, what the row records) of a finished episode's `episode_summary`."""
+    info: dict[str, Any] = {}
+    t = summary["trace"]
+    if t is not None:
         info = {
-            "trace_id": t.id,
-            "rewards": {k: None if r is None else {"score": r.score, "weight": r.weight} for k, r in t.rewards.items()},
-            "metrics": dict(t.metrics),
-            "turns": len(t.calls),
-            "branches": t.num_branches,
+            "trace_id": t["id"],
+            "rewards": {k: None if r is None else {"score": r[0], "weight": r[1]} for k, r in t["rewards"].items()},
+            "metrics": dict(t["metrics"]),
+            "turns": t["calls"],
+            "branches": t["branches"],
         }
-        if t.stop_condition:
-            info["stop_condition"] = t.stop_condition
-    errors = _errors(episode)
-    if errors:
-        e = errors[0]
-        timed_out = episode.is_timeout or any(t.is_timeout for t in traces)
-        what = "timed out" if timed_out else "failed"
-        return None, f"the verifiers episode {what}: {e.type}: {_message(e.message)}", info
-    if len(traces) != 1:
-        return None, (f"the verifiers episode has {len(traces)} traces; one agent's trace per episode is supported "
-                      "(multi-agent environments are not)"), info  # fmt: skip
-    t = traces[0]
-    if t.num_branches > 1:
-        return None, (f"the trace has {t.num_branches} branches (a harness that rewrote its history); a session "
+        if t["stop_condition"]:
+            info["stop_condition"] = t["stop_condition"]
+    if summary["error"] is not None:
+        kind, message = summary["error"]
+        what = "timed out" if summary["timed_out"] else "failed"
+        return None, f"the verifiers episode {what}: {kind}: {_message(message)}", info
+    if summary["traces"] != 1:
+        return None, (f"the verifiers episode has {summary['traces']} traces; one agent's trace per episode is "
+                      "supported (multi-agent environments are not)"), info  # fmt: skip
+    if t["branches"] > 1:
+        return None, (f"the trace has {t['branches']} branches (a harness that rewrote its history); a session "
                       "holds one"), info  # fmt: skip
-    if not episode.ok or not t.ok:
+    if not summary["ok"] or not t["ok"]:
         return None, "the verifiers episode did not finish (not ok) and gave no error", info
-    for name, r in t.rewards.items():
+    for name, r in t["rewards"].items():
         if r is None:
             return None, f"the verifiers reward {name!r} was not scored", info
-        problem = reward_problem(r.score) or reward_problem(r.weight)
+        problem = reward_problem(r[0]) or reward_problem(r[1])
         if problem is not None:
             return None, f"the verifiers reward {name!r} is a {problem}", info
-    total = t.reward
-    problem = reward_problem(total)
+    if t["reward"] is None:
+        return None, "the verifiers trace's reward could not be summed from its rewards", info
+    problem = reward_problem(t["reward"])
     if problem is not None:
         return None, f"the verifiers trace's reward is a {problem}", info
-    if session_turns != len(t.calls):
-        return None, (f"the trace holds {len(t.calls)} model calls but the session answered {session_turns}: "
+    if session_turns != t["calls"]:
+        return None, (f"the trace holds {t['calls']} model calls but the session answered {session_turns}: "
                       "some calls did not reach the run's endpoint"), info  # fmt: skip
-    return float(total), None, info
+    return float(t["reward"]), None, info
 
 
-class VerifiersGenerate(AgentGenerate):
-    """A custom generate function (tasks/rollout/multiturn.py) running one episode of a verifiers environment per
-    sample on an agent session of the run's endpoint (see module doc)."""
+class Episodes:
+    """The worker process's side (tasks/rollout/agent/verifiers_worker.py): the environment, its tasks, its serving
+    resources (verifiers' interception server, shared tool servers: started on the worker's loop at the first
+    episode, until `close`) and the model context pointing verifiers' eval client at the run's endpoint."""
 
-    def __init__(self, source: str, args: dict | None, size: int | None = None, tokenizer=None,
-                 endpoint: AgentProxy | None = None):  # fmt: skip
-        """`size`: how many of the taskset's tasks the dataset holds (data.env_size): read in one pass."""
-        super().__init__(fn=None, tokenizer=tokenizer, endpoint=endpoint)
-        self.source = source
-        self.size = size
+    def __init__(self, source: str, args: dict | None, size: int | None) -> None:
         self.name = verifiers_env.env_name(source)
-        self.args = args
-        self.env = verifiers_env.load_env(source, args)  # a mistake is a UserError here, before engines start
+        self.size = size
+        self.env = verifiers_env.load_env(source, args)
         self._tasks: dict[int, Any] = {}
         self._serving: asyncio.Task | None = None
         self._ready: asyncio.Event | None = None
         self._stop: asyncio.Event | None = None
         self._serve_error: BaseException | None = None
-        self._ctx = None  # the run's model context, for the endpoint's current port (_context)
-        self._ctx_port: int | None = None
-        self._gateway: str | None = None
+        self._ctx = None
+        self._ctx_for: tuple[str, str] | None = None
 
-    # -------------------------------------------------------------------------------- the environment
-    def task_for(self, prompt) -> Any:
-        meta = (prompt.metadata or {}).get("verifiers") or {}
-        idx = meta.get("idx")
-        if not isinstance(idx, int):
-            raise ValueError(f"prompt {prompt.prompt_id} names no verifiers task (metadata.verifiers.idx)")
+    def task(self, idx: int) -> Any:
         if idx not in self._tasks:  # the taskset's load() once for the dataset's tasks (it may read a dataset)
             for task in verifiers_env.tasks(self.env, max(idx + 1, self.size or 0)):
                 self._tasks.setdefault(task.data.idx, task)
         task = self._tasks.get(idx)
         if task is None:
             raise ValueError(f"the taskset has no task {idx}")
-        if meta.get("key") not in (None, task.key):
-            raise ValueError(f"task {idx} of the taskset is not the one the dataset recorded (its key differs)")
         return task
 
     async def _serve(self) -> None:
@@ -161,8 +173,8 @@ class VerifiersGenerate(AgentGenerate):
                 await self._stop.wait()
         except asyncio.CancelledError:
             raise
-        except BaseException as e:  # noqa: BLE001 - every sample then fails with this reason (a SystemExit too:
-            self._serve_error = e  # it must not end the endpoint's loop)
+        except BaseException as e:  # noqa: BLE001 - every episode then fails with this reason (a SystemExit too)
+            self._serve_error = e
         finally:
             self._ready.set()
 
@@ -183,7 +195,7 @@ class VerifiersGenerate(AgentGenerate):
 
     async def _restart_if_dead(self) -> None:
         """After a failed episode: a shared tool server that died is started again (all of `serving`) for the
-        next samples; the samples in flight with the dead one fail with their reasons."""
+        next episodes; the ones in flight with the dead one fail with their reasons."""
         serving = self._serving
         if serving is None or serving.done() or self._stop.is_set() or await self._servers_alive():
             return
@@ -194,7 +206,6 @@ class VerifiersGenerate(AgentGenerate):
             self._serving = None
 
     async def _ensure_serving(self) -> None:
-        """verifiers' serving resources, started once on the endpoint's loop (this coroutine runs there)."""
         if self._serving is None or self._serving.done():
             self._ready, self._stop, self._serve_error = asyncio.Event(), asyncio.Event(), None
             self._serving = asyncio.get_running_loop().create_task(self._serve())
@@ -203,59 +214,89 @@ class VerifiersGenerate(AgentGenerate):
             e = self._serve_error
             raise RuntimeError(f"starting the environment's servers failed: {type(e).__name__}: {one_line(e, 200)}")
 
-    def _context(self):
-        """The run's one model context: verifiers' eval client on the endpoint's root with the gateway key, so
-        verifiers keeps one HTTP client for the run (it keeps one per distinct client config until it stops)."""
+    def _context(self, base_url: str, gateway: str):
+        """verifiers' eval client on the endpoint's root with the gateway key: one client config while they stay
+        the same (verifiers keeps a client per distinct config until it stops)."""
         import verifiers.v1 as vf
 
-        p = self.endpoint
-        if self._ctx is None or self._ctx_port != p.port:
-            if self._gateway is not None:
-                p.drop_gateway(self._gateway)
-            self._gateway = p.gateway_key()
-            os.environ[KEY_VAR] = self._gateway  # child_env and verifiers' runtimes pass no *API_KEY* variable on
-            self._ctx = vf.ModelContext(model=MODEL, client=vf.EvalClientConfig(base_url=f"{p.url}/v1",
+        if self._ctx is None or self._ctx_for != (base_url, gateway):
+            os.environ[KEY_VAR] = gateway  # this process's only: the run's child_env passes no *API_KEY* variable
+            self._ctx = vf.ModelContext(model=MODEL, client=vf.EvalClientConfig(base_url=f"{base_url}/v1",
                                                                                 api_key_var=KEY_VAR))  # fmt: skip
-            self._ctx_port = p.port
+            self._ctx_for = (base_url, gateway)
         return self._ctx
 
-    async def _episode(self, s: AgentSession, task) -> Any:
+    async def play(self, idx: int, base_url: str, gateway: str, on_trace) -> dict:
+        """Task `idx`'s episode; its `episode_summary`."""
         await self._ensure_serving()
-        ctx, gateway = self._context(), self._gateway
-
-        def minted(trace) -> None:  # before the trace's first model call: its id names the session
-            self.endpoint.alias(s, trace.id, gateway)
-
+        task = self.task(idx)
         try:
-            episode = await self.env.run_episode(task, ctx, on_trace=minted)
+            episode = await self.env.run_episode(task, self._context(base_url, gateway), on_trace=on_trace)
         except asyncio.CancelledError:
             raise
         except Exception:
             await self._restart_if_dead()
             raise
-        except BaseException as e:  # a SystemExit from the environment's code must not end the endpoint's loop
+        except BaseException as e:  # a SystemExit from the environment's code: the episode's failure
             raise RuntimeError(f"{type(e).__name__}: {e}") from None
-        if _errors(episode):
+        summary = episode_summary(episode)
+        if summary["error"] is not None:
             await self._restart_if_dead()
-        return episode
+        return summary
+
+    async def close(self) -> None:
+        if self._serving is not None and self._stop is not None:
+            self._stop.set()
+            await asyncio.wait({self._serving}, timeout=30)
+        self._serving = None
+
+
+class VerifiersGenerate(AgentGenerate):
+    """A custom generate function (tasks/rollout/multiturn.py) running one episode of a verifiers environment per
+    sample, in the source's worker process (verifiers_worker.py), on an agent session of the run's endpoint."""
+
+    def __init__(self, source: str, args: dict | None, size: int | None = None, tokenizer=None,
+                 endpoint: AgentProxy | None = None):  # fmt: skip
+        """`size`: how many of the taskset's tasks the dataset holds (data.env_size): read in one pass."""
+        super().__init__(fn=None, tokenizer=tokenizer, endpoint=endpoint)
+        self.source = source
+        self.size = size
+        self.name = verifiers_env.env_name(source)
+        self.args = args
+        self.env = verifiers_env.load_env(source, args)  # a mistake is a UserError here, before engines start
+        self._tasks: dict[int, Any] = {}
+        timeout = verifiers_env.env_config(self.name, args)["timeout"]
+        episode_s = timeout.get("episode") if isinstance(timeout, dict) else None
+        self.worker = EpisodeWorker(source, args, size, float(episode_s or verifiers_env.DEFAULT_EPISODE_TIMEOUT_S))
+        self._gateway: str | None = None
+
+    # -------------------------------------------------------------------------------- the environment
+    def task_for(self, prompt) -> Any:
+        meta = (prompt.metadata or {}).get("verifiers") or {}
+        idx = meta.get("idx")
+        if not isinstance(idx, int):
+            raise ValueError(f"prompt {prompt.prompt_id} names no verifiers task (metadata.verifiers.idx)")
+        if idx not in self._tasks:  # the taskset's load() once for the dataset's tasks (it may read a dataset)
+            for task in verifiers_env.tasks(self.env, max(idx + 1, self.size or 0)):
+                self._tasks.setdefault(task.data.idx, task)
+        task = self._tasks.get(idx)
+        if task is None:
+            raise ValueError(f"the taskset has no task {idx}")
+        if meta.get("key") not in (None, task.key):
+            raise ValueError(f"task {idx} of the taskset is not the one the dataset recorded (its key differs)")
+        return task
+
+    def _gateway_key(self) -> str:
+        """The run's one gateway key for this source's episodes (it opens only sessions registered by alias)."""
+        if self._gateway is None:
+            self._gateway = self.endpoint.gateway_key()
+        return self._gateway
 
     def close(self) -> None:
-        loop, stop = self.endpoint.loop, self._stop
-        if self._serving is not None and loop is not None and stop is not None and loop.is_running():
-
-            async def shut() -> None:
-                stop.set()
-                await asyncio.wait({self._serving}, timeout=30)
-
-            try:
-                asyncio.run_coroutine_threadsafe(shut(), loop).result(timeout=35)
-            except Exception:  # noqa: BLE001 - closing: the loop stops next
-                pass
-        self._serving = None
+        self.worker.close()
         if self._gateway is not None:
             self.endpoint.drop_gateway(self._gateway)
-            self._gateway = self._ctx = None
-            os.environ.pop(KEY_VAR, None)
+            self._gateway = None
         super().close()
 
     # -------------------------------------------------------------------------------- one sample
@@ -264,13 +305,13 @@ class VerifiersGenerate(AgentGenerate):
         p.start()
         s = p.open(ctx, params, ctx.tokenizer, self.renderer(ctx.tokenizer), list(prompt.token_ids))
         details: dict = {**((prompt.metadata or {}).get("verifiers") or {}), "env": self.name}
-        fut = None
         try:
             task = self.task_for(prompt)
-            fut = asyncio.run_coroutine_threadsafe(self._episode(s, task), p.loop)
-            episode = await asyncio.wrap_future(fut)
+            gateway = self._gateway_key()
+            summary = await self.worker.run(task.data.idx, p.url, gateway, lambda trace_id: p.alias(s, trace_id,
+                                                                                                  gateway))  # fmt: skip
             turns = s.buf.turns if s.buf is not None else 0
-            reward, reason, info = judge_episode(episode, turns)
+            reward, reason, info = judge_summary(summary, turns)
             details.update(info)
             if s._lock is not None and s._lock.locked():
                 reason = reason or DROPPED
@@ -279,11 +320,12 @@ class VerifiersGenerate(AgentGenerate):
             elif not s.aborted:
                 s.reward = reward
         except asyncio.CancelledError:
-            if fut is not None:
-                fut.cancel()
             raise
+        except WorkerGone as e:  # the environment's code ended or blocked its process: this sample's failure
+            s.aborted = s.aborted or one_line(e, 300)
         except Exception as e:  # noqa: BLE001 - the environment's failure is the sample's, stored as aborted
-            s.aborted = s.aborted or f"the verifiers episode raised {type(e).__name__}: {one_line(e, 200)}"
+            said = str(e) if type(e) is RuntimeError else f"{type(e).__name__}: {e}"  # the worker's own words
+            s.aborted = s.aborted or f"the verifiers episode raised {one_line(said, 200)}"
         finally:
             p.close(s)
         if s.refused is not None:

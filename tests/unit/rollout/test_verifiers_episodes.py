@@ -107,6 +107,47 @@ def test_an_environment_that_hangs_times_out(tiny):
     assert res.abort_reason.startswith("the verifiers episode timed out:"), res.abort_reason
 
 
+def test_a_reward_that_exits_its_process_costs_the_sample_and_the_next_runs_on_a_new_worker(tiny):
+    """Issue 52 point 5: a reward calling os._exit(1) had ended the run with no line."""
+    _, tok = tiny
+    env_args = args(reward_kind="exit")
+    rec = verifiers_env.records(SRC, env_args, 1)[0]
+    engine = ScriptedEngine(tok, ["42"])
+    gen = VerifiersGenerate(SRC, env_args)
+    item = PromptItem("p0", rec["input"], tok.encode(rec["input"]), None, rec["metadata"], rec["input"])
+
+    async def sample(i):
+        ctx = GenerateContext(engine, tok, f"run/0/0/{i}", 200, routing_key="run/0/0", max_prompt_len=400)
+        return await gen(ctx, item, dict(PARAMS))
+
+    async def main():
+        first = await sample(0)
+        pid = gen.worker._proc.pid if gen.worker._proc is not None else None
+        second = await sample(1)
+        return first, second, pid
+
+    try:
+        first, second, pid = asyncio.run(main())
+    finally:
+        gen.close()
+    for res in (first, second):  # this process is alive to see both: the run would be too
+        assert res.finish_reason == "abort" and res.reward is None
+        assert res.abort_reason == ("the verifiers worker process exited with code 1 during the episode (the "
+                                    "environment's code?)"), res.abort_reason  # fmt: skip
+
+
+def test_a_reward_that_blocks_its_event_loop_costs_the_sample_not_the_run(tiny, monkeypatch):
+    """Issue 52 point 6: a synchronous sleep in an async reward had hung the whole run (timeout.episode runs on the
+    blocked loop and never fired). The worker that gives no answer past timeout.episode + GRACE_S is killed."""
+    from sluiceway.tasks.rollout.agent import verifiers_worker
+
+    monkeypatch.setattr(verifiers_worker, "GRACE_S", 2.0)
+    _, tok = tiny
+    res, _ = episode(tok, ["42"], {**args(reward_kind="block"), "timeout": {"episode": 3}})
+    assert res.finish_reason == "abort" and res.reward is None
+    assert res.abort_reason.startswith("the verifiers worker gave no answer within 5 s"), res.abort_reason
+
+
 def test_mistakes_are_one_line(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"verifiers:no_such_env_xyz: taskset 'no_such_env_xyz' not found") as e:
         verifiers_env.load_env("verifiers:no_such_env_xyz", {})

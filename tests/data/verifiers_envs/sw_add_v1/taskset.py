@@ -11,7 +11,8 @@ class AddData(vf.TaskData):
 
 
 class AddTaskConfig(vf.TaskConfig):
-    # What the rewards return: "number" (the default); "text" or "nan" make a broken environment for the tests.
+    # What the rewards return: "number" (the default); "text" or "nan" make a broken environment for the tests,
+    # "exit" a reward that ends its process (os._exit(1)), "block" one that blocks its event loop (time.sleep).
     reward_kind: str = "number"
     # Seconds the task's setup sleeps: a hanging environment for the tests.
     setup_sleep_s: float = 0.0
@@ -34,6 +35,14 @@ class AddTask(vf.Task[AddData, vf.State, AddTaskConfig]):
             return "not a number"  # type: ignore[return-value]
         if self.config.reward_kind == "nan":
             return float("nan")
+        if self.config.reward_kind == "exit":
+            import os
+
+            os._exit(1)
+        if self.config.reward_kind == "block":
+            import time
+
+            time.sleep(3600)
         numbers = re.findall(r"-?\d+", trace.last_reply or "")
         return 1.0 if numbers and int(numbers[-1]) == self.data.a + self.data.b else 0.0
 
