@@ -160,3 +160,28 @@ def test_the_engines_own_errors_still_reach_the_dispatcher(store):
     s = settings(groups_needed=1, groups_submitted=1, custom_generate=plugin)
     with pytest.raises(EngineCallError):
         rollout(FakeEngine(dead=True), store, 0, plan_step(store, "r", 0, prompts(1), s, []), s)
+
+
+def test_the_stop_line_names_the_failing_sample_not_a_sibling_cut_short(store):
+    """Issue 52 point 13: an OpenEnv step whose groups all aborted named a sibling's 'finish reason length' (a
+    sample cut short because another failed) instead of the cause."""
+    from sluiceway.flows.rl import _nothing_to_train
+    from sluiceway.infra.errors import Fault
+
+    s = settings(groups_needed=1, groups_submitted=1)
+
+    def script(rid):
+        return Reply(tokens=9) if rid.endswith("/0") else Reply(finish_reason="abort", tokens=1)
+
+    rollout(FakeEngine(script=script), store, 0, plan_step(store, "r", 0, prompts(1), s, []), s)
+    rows = read_trajectories(store, "r", 0).to_pylist()
+    assert [r["finish_reason"] for r in rows] == ["length", "abort"]  # the first, cut at 8 tokens, comes first
+    import pyarrow as pa
+
+    from sluiceway.storage.trajectories import update_samples
+
+    update_samples(store, "r", 0, [(0, 1)], {"metadata": pa.array(['{"abort_reason": "openenv: the server died"}'])},
+                   "test")  # fmt: skip
+    with pytest.raises(Fault, match=r"none of the 1 groups of step 0 has a sample to train: .*\(the first: openenv: "
+                                    r"the server died\)"):  # fmt: skip
+        _nothing_to_train(store, "r", 0, 1)
