@@ -11,8 +11,10 @@ Three flags take a function that may be written for slime or for sluiceway:
 
 A generate function takes three positional arguments either way, so its parameter names (or annotations) tell:
 slime's start `args, sample` (or have `evaluation`, or annotate a `Sample`), ours `ctx, prompt` (or annotate a
-`GenerateContext`). The others differ in how many positional arguments they take. Where nothing tells (`*args`,
-other names, both counts bindable) the run's `plugin_convention` must say; without it the run stops with one line
+`GenerateContext`). The others differ in how many positional arguments they take; where both counts bind
+(`def score(response, label, sample=None)`) the names tell again: slime's first is `args` (its second a `sample`,
+`samples` or `group`), ours `response`/`responses`/`rows` (or a second `label`). Where nothing tells (`*args`,
+other names) the run's `plugin_convention` must say; without it the run stops with one line
 naming the function and both signatures, before anything starts: a guess would call the function with the wrong
 arguments mid-rollout. An explicit `plugin_convention` (slime or sluiceway) decides for every function.
 
@@ -144,9 +146,26 @@ def _binds(fn: Callable, n: int) -> bool:
 
 
 def _tell_arity(fn: Callable, slime_n: int, our_n: int) -> str | None:
-    if _positional(fn) is None:
+    params = _positional(fn)
+    if params is None:
         return None
     slime, ours = _binds(fn, slime_n), _binds(fn, our_n)
+    if slime != ours:
+        return SLIME if slime else SLUICEWAY
+    return _tell_by_names(params) if slime else None
+
+
+# Where both counts bind (`def score(response, label, sample=None)`, as our own docs wrote a reward), the names tell:
+# slime passes `args` first and a Sample (or a group of them) second; sluiceway a response (or rows) first and a
+# label second.
+_SLIME_FIRST, _SLIME_SECOND = {"args"}, {"sample", "samples", "group"}
+_OUR_FIRST, _OUR_SECOND = {"response", "responses", "rows", "text", "completion"}, {"label", "labels"}
+
+
+def _tell_by_names(params: list[inspect.Parameter]) -> str | None:
+    names = [p.name for p in params] + ["", ""]
+    slime = names[0] in _SLIME_FIRST or names[1] in _SLIME_SECOND or _annotation_name(params[0]) == "Namespace"
+    ours = names[0] in _OUR_FIRST or names[1] in _OUR_SECOND
     if slime != ours:
         return SLIME if slime else SLUICEWAY
     return None

@@ -47,12 +47,16 @@ async def slime_rm(args, sample, **kwargs): ...
 async def our_rm(response, label, sample): ...
 def slime_dyn(args, group): ...
 def our_dyn(rows): ...
+def our_rm_documented(response, label, sample=None): ...  # both counts bind: its names tell (issue 53)
+def slime_rm_defaulted(args, sample, extra=None): ...
+async def unclear_rm(a, b, c=None): ...
 
 
 @pytest.mark.parametrize(("fn", "hook", "want"), [
     (slime_generate, GENERATE, SLIME), (slime_generate_eval, GENERATE, SLIME), (our_generate, GENERATE, SLUICEWAY),
     (slime_rm, RM, SLIME), (our_rm, RM, SLUICEWAY), (slime_rm, GROUP_RM, SLIME), (our_rm, GROUP_RM, SLUICEWAY),
     (slime_dyn, FILTER, SLIME), (our_dyn, FILTER, SLUICEWAY),
+    (our_rm_documented, RM, SLUICEWAY), (slime_rm_defaulted, RM, SLIME),
 ])  # fmt: skip
 def test_convention_told_from_signature(fn, hook, want):
     assert convention_of(fn, hook) == want
@@ -67,6 +71,11 @@ def test_ambiguous_is_one_line_naming_both(fn):
     assert "(args, sample, sampling_params[, evaluation])" in msg and "(ctx, prompt, params)" in msg
     assert "--plugin-convention" in msg
     assert convention_of(fn, GENERATE, "slime") == SLIME and convention_of(fn, GENERATE, "sluiceway") == SLUICEWAY
+
+
+def test_a_reward_neither_count_nor_names_tell_still_asks():
+    with pytest.raises(UserError, match="set --plugin-convention"):
+        convention_of(unclear_rm, RM, name="mod.rm")
 
 
 def test_dotted_path_loads_as_slime_does(tmp_path, monkeypatch):
