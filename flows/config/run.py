@@ -14,7 +14,7 @@ from typing import ClassVar
 from pydantic import Field
 
 from sluiceway.flows.config.algorithm import AlgorithmConfig
-from sluiceway.flows.config.data import DataConfig
+from sluiceway.flows.config.data import DataConfig, source_kind
 from sluiceway.flows.config.durability import DurabilityConfig
 from sluiceway.flows.config.eval import EvalConfig
 from sluiceway.flows.config.group import Group
@@ -127,8 +127,10 @@ class RunConfig(Group):
             raise ValueError("data.prompt_data is required (--prompt-data FILE or env:NAME)")
 
     def _check_sft(self) -> None:
-        if self.data.prompt_data is None or self.data.prompt_data.startswith("env:"):
-            raise ValueError("SFT needs a JSONL or Parquet data file (--prompt-data FILE)")
+        kind = source_kind(self.data.prompt_data)
+        if kind != "file":  # an environment (env:, verifiers:, openenv:) has episodes, not responses to imitate
+            got = f": {self.data.prompt_data} is an environment ({kind}:), not a file" if kind else ""
+            raise ValueError(f"SFT needs a JSONL or Parquet data file (--prompt-data FILE){got}")
         self._check_data_parallel()
         if self.algorithm.use_kl_loss or self.eval.eval_interval:
             raise ValueError("SFT has no KL loss and no evaluation yet: unset use_kl_loss and eval_interval")

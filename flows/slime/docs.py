@@ -31,9 +31,11 @@ def render_table() -> list[str]:
 
 _PLUGINS_0 = (
     "Which convention a function speaks is told from its signature (a generate's parameter names: `args, "
-    "sample` or `ctx, prompt`; the others' number of positional arguments). One the signature cannot tell "
-    "(`*args`, other names) stops the run before anything starts with one line naming the function and "
-    "both signatures; `--plugin-convention slime|sluiceway` then decides."
+    "sample` or `ctx, prompt`; the others' number of positional arguments, and where both counts bind, as in "
+    "`def score(response, label, sample=None)`, their names: slime's first is `args`, ours `response`, "
+    "`responses` or `rows`, or a second `label`). One the signature cannot tell (`*args`, other names) stops "
+    "the run before anything starts with one line naming the function and both signatures; "
+    "`--plugin-convention slime|sluiceway` then decides."
 )
 
 _PLUGINS_1 = (

@@ -88,3 +88,14 @@ def test_embedded_engines_share_the_cores():
     assert threads([*base, "--rollout-num-engines", "2"]) == max(1, cores // 2)
     assert threads([*base, "--num-threads", "8", "--rollout-num-engines", "2"]) == 4
     assert threads([*base, "--engine-num-threads", "3"]) == 3
+
+
+@pytest.mark.parametrize("source", ["env:arithmetic", "verifiers:sw_add_v1", "openenv:http://127.0.0.1:9"])
+def test_sft_refuses_every_environment_source(source):
+    """Issue 53 point 1: `sluiceway sft` had refused only env: sources; a verifiers: or openenv: source passed the
+    config, and flows/sft.py read it as a file."""
+    from sluiceway.flows.cli.parser import configured
+
+    kind = source.split(":")[0]
+    with pytest.raises(Exception, match=rf"SFT needs a JSONL or Parquet data file .*an environment \({kind}:\)"):
+        configured(make_parser().parse_args(["sft", "--prompt-data", source]))
