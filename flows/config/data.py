@@ -13,7 +13,7 @@ SOURCE_SCHEMES = {"env:": "env", "verifiers:": "verifiers", "openenv:": "openenv
 
 
 def source_kind(prompt_data: str | None) -> str | None:
-    """"env", "verifiers", "openenv", "file", or None when unset."""
+    """ "env", "verifiers", "openenv", "file", or None when unset."""
     if prompt_data is None:
         return None
     return next((kind for scheme, kind in SOURCE_SCHEMES.items() if prompt_data.startswith(scheme)), "file")
