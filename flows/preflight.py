@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from sluiceway.flows.config import RunConfig
 from sluiceway.infra.errors import UserError
+from sluiceway.infra.prompt_sources import ENV, EPISODES, OPENENV, VERIFIERS, source_kind
 
 if TYPE_CHECKING:
     from sluiceway.tasks.train.memory_model import ModelShape
@@ -30,19 +31,20 @@ def check_data_source(
     """A prompt file (every line parsed and its keys checked), an `env:` spec, a `verifiers:` source (its
     environment built, `verifiers_args` its data.verifiers_env) or an `openenv:` source; errors name
     `flag`."""
-    if source.startswith("env:"):
+    kind = source_kind(source)
+    if kind == ENV:
         from sluiceway.tasks.environments import parse_spec
 
         parse_spec(source)
         return
-    if source.startswith("verifiers:"):  # imports verifiers and the taskset, builds the environment (a few seconds)
+    if kind == VERIFIERS:  # imports verifiers and the taskset, builds the environment (a few seconds)
         if flag != "--prompt-data":
             raise UserError(f"{flag} {source}: a verifiers environment is a training source only (--prompt-data)")
         from sluiceway.tasks.environments.verifiers_env import load_env
 
         load_env(source, verifiers_args)
         return
-    if source.startswith("openenv:"):  # the server answers, or the class imports where openenv is (a few seconds)
+    if kind == OPENENV:  # the server answers, or the class imports where openenv is (a few seconds)
         if flag != "--prompt-data":
             raise UserError(f"{flag} {source}: an OpenEnv environment is a training source only (--prompt-data)")
         from sluiceway.tasks.environments.openenv_servers import check_openenv_source
@@ -220,21 +222,13 @@ def preflight(cfg: RunConfig, command: str) -> None:
     check_plugin_file(cfg.rollout.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
     check_plugin_file(d.openenv_action_parser, "--openenv-action-parser")
     check_plugin_file(d.openenv_observation_text, "--openenv-observation-text")
-    if (d.prompt_data or "").startswith("openenv:") and (
-        cfg.rollout.agent_function_path or cfg.rollout.custom_generate_function_path
-    ):
+    kind = source_kind(d.prompt_data)
+    if kind in EPISODES and (cfg.rollout.agent_function_path or cfg.rollout.custom_generate_function_path):
         raise UserError(f"--prompt-data {d.prompt_data} plays the environment's episodes itself: it cannot be combined"
                         " with --agent-function-path or --custom-generate-function-path")  # fmt: skip
-    if (d.prompt_data or "").startswith("verifiers:") and (
-        cfg.rollout.agent_function_path or cfg.rollout.custom_generate_function_path
-    ):
-        raise UserError(f"--prompt-data {d.prompt_data} runs the environment's episodes itself: it cannot be combined"
-                        " with --agent-function-path or --custom-generate-function-path")  # fmt: skip
-    if (d.prompt_data or "").startswith("verifiers:") and cfg.eval_sets:
-        raise UserError(f"--prompt-data {d.prompt_data}: evaluation sets are not played as verifiers episodes yet: "
-                        "unset --eval-prompt-data")  # fmt: skip
-    if (d.prompt_data or "").startswith("openenv:") and cfg.eval_sets:
-        raise UserError(f"--prompt-data {d.prompt_data}: evaluation sets are not played as OpenEnv episodes yet: "
+    if kind in EPISODES and cfg.eval_sets:
+        what = {VERIFIERS: "verifiers", OPENENV: "OpenEnv"}[kind]
+        raise UserError(f"--prompt-data {d.prompt_data}: evaluation sets are not played as {what} episodes yet: "
                         "unset --eval-prompt-data")  # fmt: skip
     check_conventions(cfg)
     hf = model_config(cfg.training.hf_checkpoint)  # last: a zoo name imports torch

@@ -7,16 +7,7 @@ import json
 from pydantic import Field, field_validator
 
 from sluiceway.flows.config.group import Group
-
-# The kinds of prompt source a `prompt_data` names by its scheme (docs/environments.md); anything else is a file.
-SOURCE_SCHEMES = {"env:": "env", "verifiers:": "verifiers", "openenv:": "openenv"}
-
-
-def source_kind(prompt_data: str | None) -> str | None:
-    """ "env", "verifiers", "openenv", "file", or None when unset."""
-    if prompt_data is None:
-        return None
-    return next((kind for scheme, kind in SOURCE_SCHEMES.items() if prompt_data.startswith(scheme)), "file")
+from sluiceway.infra.prompt_sources import ENV, VERIFIERS, source_kind
 
 
 class DataConfig(Group):
@@ -98,7 +89,7 @@ class DataConfig(Group):
         return v
 
     def check(self, context: dict) -> None:
-        if self.verifiers_env and source_kind(self.prompt_data) != "verifiers":
+        if self.verifiers_env and source_kind(self.prompt_data) != VERIFIERS:
             raise ValueError("verifiers_env is set but prompt_data is not a verifiers:NAME source")
-        if self.adaptive_difficulty and source_kind(self.prompt_data) != "env":
+        if self.adaptive_difficulty and source_kind(self.prompt_data) != ENV:
             raise ValueError("adaptive_difficulty needs an environment as prompt_data (env:NAME or env:mix(...))")

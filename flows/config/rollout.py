@@ -30,9 +30,9 @@ class RolloutConfig(Group):
     rollout_timeout_s: float = Field(
         1800.0,
         gt=0,
-        description="Seconds a custom generate function (a slime plugin, an agent, an environment's episode) may take "
-        "for one sample; one that takes longer, raises or returns what no row can hold fails that sample alone, "
-        "with the reason in its row.",
+        description="Seconds a custom generate function may take for one sample. One that takes longer (a slime "
+        "plugin, an agent, an environment's episode), raises or returns what no row can hold fails that sample "
+        "alone, with the reason in its row.",
     )
     over_sampling_batch_size: int | None = Field(
         None,
@@ -151,11 +151,12 @@ class RolloutConfig(Group):
     )
     rollout_pools: list[str] | None = Field(
         None,
-        description="Remote pools that take groups beside the run's own engines: NAME=ROUTER_URL for a fixed pool "
-        "(e.g. east=http://10.0.0.5:30000), or `auto` for every pool registered beside the run's weight store "
-        "(pools that join and leave during the run; a registry URI, s3://bucket/prefix or a path, reads another "
-        "store's registry). Their agents pull each weight version from the weight store and report there what "
-        "they serve (needs update_weight_mode delta); a pool gets groups only while its version is fresh enough "
+        description="Remote pools that take groups beside the run's own engines: NAME=ROUTER_URL for a fixed pool, "
+        "or `auto` for every pool registered beside the run's weight store. A fixed pool is e.g. "
+        "east=http://10.0.0.5:30000; `auto` takes pools that join and leave during the run (a registry URI, "
+        "s3://bucket/prefix or a path, reads another store's registry). Their agents pull each weight version "
+        "from the weight store and report there what they serve (needs update_weight_mode delta); a pool gets "
+        "groups only while its version is fresh enough "
         "for the step (docs/weight_sync.md). A fixed pool takes up to rollout_max_concurrency requests, a "
         "registered one its own capacity.",
     )

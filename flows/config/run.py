@@ -14,7 +14,7 @@ from typing import ClassVar
 from pydantic import Field
 
 from sluiceway.flows.config.algorithm import AlgorithmConfig
-from sluiceway.flows.config.data import DataConfig, source_kind
+from sluiceway.flows.config.data import DataConfig
 from sluiceway.flows.config.durability import DurabilityConfig
 from sluiceway.flows.config.eval import EvalConfig
 from sluiceway.flows.config.group import Group
@@ -26,6 +26,7 @@ from sluiceway.flows.config.rollout import RolloutConfig
 from sluiceway.flows.config.storage import StorageSettings
 from sluiceway.flows.config.sync import SyncConfig
 from sluiceway.flows.config.training import TrainingConfig
+from sluiceway.infra.prompt_sources import FILE, source_kind
 
 
 class RunConfig(Group):
@@ -128,7 +129,7 @@ class RunConfig(Group):
 
     def _check_sft(self) -> None:
         kind = source_kind(self.data.prompt_data)
-        if kind != "file":  # an environment (env:, verifiers:, openenv:) has episodes, not responses to imitate
+        if kind != FILE:  # an environment (env:, verifiers:, openenv:) has episodes, not responses to imitate
             got = f": {self.data.prompt_data} is an environment ({kind}:), not a file" if kind else ""
             raise ValueError(f"SFT needs a JSONL or Parquet data file (--prompt-data FILE){got}")
         self._check_data_parallel()

@@ -24,6 +24,7 @@ import re
 from typing import Any
 
 from sluiceway.infra.errors import UserError
+from sluiceway.infra.prompt_sources import ENV, source_body, source_kind
 from sluiceway.tasks.environments import arithmetic, countdown, counting, logic, reverse, sorting
 from sluiceway.tasks.environments.base import Environment, as_text, parse_metadata
 
@@ -56,9 +57,9 @@ def _check(spec: str, name: str, level: int | None) -> tuple[str, int]:
 
 def parse_spec(spec: str) -> list[tuple[str, int, float]]:
     """`env:...` -> [(name, level, weight), ...]; a single environment has weight 1."""
-    if not spec.startswith("env:"):
+    if source_kind(spec) != ENV:
         raise UserError(f"--prompt-data {spec}: an environment spec starts with 'env:'")
-    body = spec[4:].strip()
+    body = source_body(spec).strip()
     if body.startswith("mix(") and body.endswith(")"):
         items = body[4:-1]
     elif body.startswith("mix:"):

@@ -53,7 +53,6 @@ from sluiceway.tasks.environments.openenv_client import (
 )
 
 log = logging.getLogger("sluiceway")
-PREFIX = "openenv:"
 DETAILS_KEY = "_openenv_episode"  # the prompt metadata key that ties an episode's details to its sample
 
 

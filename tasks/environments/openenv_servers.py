@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sluiceway.infra.errors import UserError
+from sluiceway.infra.prompt_sources import OPENENV, source_body, source_kind
 from sluiceway.tasks.environments.openenv_client import CapacityReached, fetch_schema, http_url
 
 log = logging.getLogger("sluiceway")
@@ -278,9 +279,9 @@ def _tail(path: str) -> str:
 
 # ------------------------------------------------------------------------------------------- the run's hooks
 def parse_source(spec: str) -> str:
-    if not spec.startswith("openenv:") or not spec[len("openenv:") :].strip():
+    if source_kind(spec) != OPENENV or not source_body(spec).strip():
         raise UserError(f"--prompt-data {spec}: expected openenv:URL or openenv:MODULE:Class")
-    return spec[len("openenv:") :].strip()
+    return source_body(spec).strip()
 
 
 def check_openenv_source(spec: str) -> dict:

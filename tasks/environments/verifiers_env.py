@@ -25,19 +25,19 @@ import sys
 from typing import Any
 
 from sluiceway.infra.errors import UserError
+from sluiceway.infra.prompt_sources import VERIFIERS, source_body, source_kind
 
-PREFIX = "verifiers:"
 VERSION = "0.4.0"  # the verifiers release whose v1 API this adapter follows (pyproject's `verifiers` extra)
 DEFAULT_EPISODE_TIMEOUT_S = 900.0  # verifiers' `timeout.episode` when data.verifiers_env leaves it unset
 _NAME = re.compile(r"^[A-Za-z0-9_.\-/@]+$")
 
 
 def is_verifiers_source(source: str | None) -> bool:
-    return bool(source) and source.startswith(PREFIX)
+    return source_kind(source) == VERIFIERS
 
 
 def env_name(source: str) -> str:
-    name = source[len(PREFIX) :].strip()
+    name = source_body(source).strip()
     if not name or not _NAME.match(name):
         raise UserError(f"--prompt-data {source}: expected verifiers:NAME, NAME a taskset package or module")
     return name

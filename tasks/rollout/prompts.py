@@ -13,6 +13,7 @@ from pathlib import Path
 
 from sluiceway.flows.config import RunConfig
 from sluiceway.infra.errors import UserError
+from sluiceway.infra.prompt_sources import ENV, OPENENV, VERIFIERS, source_body, source_kind
 from sluiceway.models.chat import encode_prompt, render_prompt
 from sluiceway.storage.datasets import import_prompts, import_records, load_prompts
 from sluiceway.storage.object_store import ObjectStore
@@ -29,11 +30,12 @@ from sluiceway.tasks.rollout.slime_plugins.generate import load_generate
 def dataset_table_name(prompt_data: str, env_size: int, seed: int, args: dict | None = None) -> str:
     """One table per distinct source: a file's name plus a hash of its bytes, or the environment spec (`args`: a
     verifiers source's data.verifiers_env)."""
-    if prompt_data.startswith("env:"):
-        return "datasets/" + prompt_data[4:].replace(":", "-") + f"-n{env_size}-s{seed}"
-    if prompt_data.startswith("verifiers:"):  # the taskset's tasks (tasks/environments/verifiers_env.py)
+    kind = source_kind(prompt_data)
+    if kind == ENV:
+        return "datasets/" + source_body(prompt_data).replace(":", "-") + f"-n{env_size}-s{seed}"
+    if kind == VERIFIERS:  # the taskset's tasks (tasks/environments/verifiers_env.py)
         return verifiers_env.table_name(prompt_data, args, env_size)
-    if prompt_data.startswith("openenv:"):  # episodes' reset seeds (tasks/environments/openenv_episode.py)
+    if kind == OPENENV:  # episodes' reset seeds (tasks/environments/openenv_episode.py)
         digest = hashlib.sha256(prompt_data.encode()).hexdigest()[:12]
         return f"datasets/openenv-{digest}-n{env_size}-s{seed}"
     p = Path(prompt_data)
@@ -46,15 +48,12 @@ def dataset_table_name(prompt_data: str, env_size: int, seed: int, args: dict | 
 def load_dataset(cfg: RunConfig, store: ObjectStore, prompt_data: str, size: int, seed: int) -> list[dict]:
     d = cfg.data
     name = dataset_table_name(prompt_data, size, seed, d.verifiers_env)
-    if prompt_data.startswith("verifiers:"):
+    kind = source_kind(prompt_data)
+    if kind == VERIFIERS:
         import_records(verifiers_env.records(prompt_data, d.verifiers_env, size), store, name, source=prompt_data,
                        input_key="input", label_key="label", metadata_key="metadata")  # fmt: skip
-    elif prompt_data.startswith(("env:", "openenv:")):
-        records = (
-            generate_env(prompt_data, size, seed)
-            if prompt_data.startswith("env:")
-            else openenv_records(prompt_data, size, seed)
-        )
+    elif kind in (ENV, OPENENV):
+        records = generate_env(prompt_data, size, seed) if kind == ENV else openenv_records(prompt_data, size, seed)
         import_records(
             records, store, name, source=prompt_data, input_key="input", label_key="label", metadata_key="metadata"
         )
@@ -116,9 +115,9 @@ def build_rollout_settings(cfg: RunConfig, tokenizer, hf_dir: Path, slime_args=N
         partial_rollout=r.partial_rollout, mask_offpolicy=r.mask_offpolicy_in_partial_rollout,
         custom_generate=load_generate(cfg, hf_dir, slime_args) if r.custom_generate_function_path
         else AgentGenerate(load_agent_function(r.agent_function_path)) if r.agent_function_path
-        else openenv_generate(cfg) if (cfg.data.prompt_data or "").startswith("openenv:")
+        else openenv_generate(cfg) if source_kind(cfg.data.prompt_data) == OPENENV
         else VerifiersGenerate(cfg.data.prompt_data, cfg.data.verifiers_env, cfg.data.env_size)
-        if (cfg.data.prompt_data or "").startswith("verifiers:")
+        if source_kind(cfg.data.prompt_data) == VERIFIERS
         else None, tokenizer=tokenizer, max_prompt_len=r.rollout_max_prompt_len, timeout_s=r.rollout_timeout_s,
         max_context_len=r.rollout_max_context_len,
     )  # fmt: skip

@@ -17,10 +17,11 @@ and the same under the row's `metadata.verifiers`. A failed episode (the environ
 reward that is not a finite number, a harness that exited with an error) is the sample's failure: stored as
 aborted with the reason in `metadata.abort_reason`, the run goes on.
 
-The environment's code runs in a worker process of its own, one per source (verifiers_worker.py: `Episodes` is its
-side): its serving resources (verifiers' interception server, shared tool servers) live on the worker's loop from
-the first sample until `close`, and the episode's model calls reach the run's endpoint over HTTP. A reward that
-exits the process or blocks its loop costs the samples in the worker at that moment, never the run (issue 52).
+The environment's code runs in a worker process of its own, one per source (verifiers_worker.py; its side of an
+episode is verifiers_episodes.py): its serving resources (verifiers' interception server, shared tool servers)
+live on the worker's loop from the first sample until `close`, and the episode's model calls reach the run's
+endpoint over HTTP. A reward that exits the process or blocks its loop costs the samples in the worker at that
+moment, never the run (issue 52).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import re
 from typing import Any
 
@@ -42,8 +42,6 @@ from sluiceway.tasks.rollout.multiturn import GenerateContext, TokenBuffer
 
 log = logging.getLogger("sluiceway")
 _RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Timeout|Interrupt)\w*(:|$)")
-KEY_VAR = "SLUICEWAY_VERIFIERS_API_KEY"  # the variable verifiers' client reads the run's gateway key from
-MODEL = "policy"
 
 
 @dataclasses.dataclass
@@ -52,13 +50,6 @@ class EpisodeBuffer(TokenBuffer):
 
     reward_details: dict | None = None
     row_metadata: dict | None = None
-
-
-def _errors(episode) -> list:
-    out = list(episode.errors)
-    for t in episode.traces:
-        out += list(t.errors)
-    return out
 
 
 def _message(text: str) -> str:
@@ -70,31 +61,6 @@ def _message(text: str) -> str:
         raised = [line for line in lines if _RAISED.match(line)]  # an exception's line (an ExceptionGroup's too)
         return f"{one_line(lines[0], 150)} ... {one_line((raised or lines)[-1], 200)}"
     return one_line(" ".join(lines), 300)
-
-
-def episode_summary(episode) -> dict:
-    """What judging an episode needs, as plain data: it crosses from the worker process to the run (a verifiers
-    Episode does not). Plain logic over verifiers' Episode and Trace."""
-    traces = list(episode.traces)
-    errors = _errors(episode)
-    out: dict[str, Any] = {
-        "traces": len(traces),
-        "ok": bool(episode.ok),
-        "timed_out": bool(episode.is_timeout or any(t.is_timeout for t in traces)),
-        "error": (str(errors[0].type), str(errors[0].message)) if errors else None,
-        "trace": None,
-    }
-    if traces:
-        t = traces[0]
-        rewards = {k: None if r is None else (r.score, r.weight) for k, r in t.rewards.items()}
-        try:
-            total = t.reward if all(r is not None for r in rewards.values()) else None
-        except Exception:  # noqa: BLE001 - a sum verifiers cannot make: judged from the rewards themselves
-            total = None
-        out["trace"] = {"id": t.id, "rewards": rewards, "metrics": dict(t.metrics), "calls": len(t.calls),
-                        "branches": t.num_branches, "stop_condition": t.stop_condition, "ok": bool(t.ok),
-                        "reward": total}  # fmt: skip
-    return out
 
 
 def judge_summary(summary: dict, session_turns: int) -> tuple[float | None, str | None, dict]:
@@ -138,117 +104,6 @@ def judge_summary(summary: dict, session_turns: int) -> tuple[float | None, str 
         return None, (f"the trace holds {t['calls']} model calls but the session answered {session_turns}: "
                       "some calls did not reach the run's endpoint"), info  # fmt: skip
     return float(t["reward"]), None, info
-
-
-class Episodes:
-    """The worker process's side (tasks/rollout/agent/verifiers_worker.py): the environment, its tasks, its serving
-    resources (verifiers' interception server, shared tool servers: started on the worker's loop at the first
-    episode, until `close`) and the model context pointing verifiers' eval client at the run's endpoint."""
-
-    def __init__(self, source: str, args: dict | None, size: int | None) -> None:
-        self.name = verifiers_env.env_name(source)
-        self.size = size
-        self.env = verifiers_env.load_env(source, args)
-        self._tasks: dict[int, Any] = {}
-        self._serving: asyncio.Task | None = None
-        self._ready: asyncio.Event | None = None
-        self._stop: asyncio.Event | None = None
-        self._serve_error: BaseException | None = None
-        self._ctx = None
-        self._ctx_for: tuple[str, str] | None = None
-
-    def task(self, idx: int) -> Any:
-        if idx not in self._tasks:  # the taskset's load() once for the dataset's tasks (it may read a dataset)
-            for task in verifiers_env.tasks(self.env, max(idx + 1, self.size or 0)):
-                self._tasks.setdefault(task.data.idx, task)
-        task = self._tasks.get(idx)
-        if task is None:
-            raise ValueError(f"the taskset has no task {idx}")
-        return task
-
-    async def _serve(self) -> None:
-        try:
-            async with self.env.serving():
-                self._ready.set()
-                await self._stop.wait()
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # noqa: BLE001 - every episode then fails with this reason (a SystemExit too)
-            self._serve_error = e
-        finally:
-            self._ready.set()
-
-    async def _servers_alive(self) -> bool:
-        """Whether the taskset's shared tool servers (started by `serving`) still accept connections."""
-        from urllib.parse import urlsplit
-
-        for server in (getattr(self.env, "_shared_tools", None) or {}).values():
-            if getattr(server, "external", False):
-                continue  # a config-url server: not the run's to restart
-            u = urlsplit(server.url)
-            try:
-                _, writer = await asyncio.wait_for(asyncio.open_connection(u.hostname, u.port or 80), 5)
-                writer.close()
-            except (OSError, TimeoutError):
-                return False
-        return True
-
-    async def _restart_if_dead(self) -> None:
-        """After a failed episode: a shared tool server that died is started again (all of `serving`) for the
-        next episodes; the ones in flight with the dead one fail with their reasons."""
-        serving = self._serving
-        if serving is None or serving.done() or self._stop.is_set() or await self._servers_alive():
-            return
-        log.warning("verifiers %s: a shared tool server is down; the environment's servers start again", self.name)
-        self._stop.set()
-        await asyncio.wait({serving}, timeout=30)
-        if self._serving is serving:
-            self._serving = None
-
-    async def _ensure_serving(self) -> None:
-        if self._serving is None or self._serving.done():
-            self._ready, self._stop, self._serve_error = asyncio.Event(), asyncio.Event(), None
-            self._serving = asyncio.get_running_loop().create_task(self._serve())
-        await self._ready.wait()
-        if self._serve_error is not None:
-            e = self._serve_error
-            raise RuntimeError(f"starting the environment's servers failed: {type(e).__name__}: {one_line(e, 200)}")
-
-    def _context(self, base_url: str, gateway: str):
-        """verifiers' eval client on the endpoint's root with the gateway key: one client config while they stay
-        the same (verifiers keeps a client per distinct config until it stops)."""
-        import verifiers.v1 as vf
-
-        if self._ctx is None or self._ctx_for != (base_url, gateway):
-            os.environ[KEY_VAR] = gateway  # this process's only: the run's child_env passes no *API_KEY* variable
-            self._ctx = vf.ModelContext(model=MODEL, client=vf.EvalClientConfig(base_url=f"{base_url}/v1",
-                                                                                api_key_var=KEY_VAR))  # fmt: skip
-            self._ctx_for = (base_url, gateway)
-        return self._ctx
-
-    async def play(self, idx: int, base_url: str, gateway: str, on_trace) -> dict:
-        """Task `idx`'s episode; its `episode_summary`."""
-        await self._ensure_serving()
-        task = self.task(idx)
-        try:
-            episode = await self.env.run_episode(task, self._context(base_url, gateway), on_trace=on_trace)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            await self._restart_if_dead()
-            raise
-        except BaseException as e:  # a SystemExit from the environment's code: the episode's failure
-            raise RuntimeError(f"{type(e).__name__}: {e}") from None
-        summary = episode_summary(episode)
-        if summary["error"] is not None:
-            await self._restart_if_dead()
-        return summary
-
-    async def close(self) -> None:
-        if self._serving is not None and self._stop is not None:
-            self._stop.set()
-            await asyncio.wait({self._serving}, timeout=30)
-        self._serving = None
 
 
 class VerifiersGenerate(AgentGenerate):

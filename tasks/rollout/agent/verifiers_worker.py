@@ -135,8 +135,9 @@ class EpisodeWorker:
 
     # ------------------------------------------------------------------------------------------ one episode
     async def run(self, idx: int, base_url: str, gateway: str, on_alias) -> dict:
-        """Task `idx`'s episode in the worker; its summary (verifiers.py `episode_summary`). `on_alias(trace_id)` is
-        called before the trace's first model call. WorkerGone when the worker ends or blocks with it."""
+        """Task `idx`'s episode in the worker; its summary (verifiers_episodes.py `episode_summary`).
+        `on_alias(trace_id)` is called before the trace's first model call. WorkerGone when the worker ends or blocks
+        with it."""
         proc = await asyncio.to_thread(self._ensure)
         eid = uuid.uuid4().hex
         loop = asyncio.get_running_loop()
@@ -189,7 +190,7 @@ def serve(source: str, args: dict | None, size: int | None, conn) -> None:
     with contextlib.suppress(Exception):
         die_with_parent()  # a SIGKILLed run leaves no worker behind
     try:
-        from sluiceway.tasks.rollout.agent.verifiers import Episodes
+        from sluiceway.tasks.rollout.agent.verifiers_episodes import Episodes
 
         episodes = Episodes(source, args, size)
     except BaseException as e:  # noqa: BLE001 - its load's failure is the run's to report

@@ -77,14 +77,17 @@ def is_config(module: str) -> bool:
 
 def test_config_imports_nothing_of_the_project_but_the_error_type_and_plugin_loading():
     # plugins: --custom-tis-function-path is imported and checked when the config is read; it needs only errors.
+    # prompt_sources: the kinds of prompt source by scheme, plain data that imports nothing of the project.
+    allowed = {"sluiceway.infra.errors", "sluiceway.infra.plugins", "sluiceway.infra.prompt_sources"}
     parts = modules("flows/config")
     assert ROOT / "flows" / "config" / "__init__.py" in parts and len(parts) > 1
     bad = {f"{p.relative_to(ROOT)} imports {m}" for p in parts for m in project_imports(p)
-           if not is_config(m) and m not in ("sluiceway.infra.errors", "sluiceway.infra.plugins")}  # fmt: skip
+           if not is_config(m) and m not in allowed}  # fmt: skip
     assert not bad, sorted(bad)
     outside = {m for p in parts for m in project_imports(p) if not is_config(m)}
-    assert outside == {"sluiceway.infra.errors", "sluiceway.infra.plugins"}
+    assert outside == allowed
     assert project_imports(ROOT / "infra" / "plugins.py") == {"sluiceway.infra.errors"}
+    assert project_imports(ROOT / "infra" / "prompt_sources.py") == set()
 
 
 def test_infra_never_imports_models():
