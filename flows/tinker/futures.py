@@ -8,6 +8,7 @@ separate connections can still arrive swapped, so each model runs its work in se
 
 from __future__ import annotations
 
+import collections
 import datetime as _dt
 import heapq
 import itertools
@@ -74,15 +75,18 @@ class Journal(Protocol):
 
 
 REQUEST_ID = re.compile(r"^req-[0-9a-f]{32}$")
+KEEP_FINISHED = 1024  # finished results a server with a journal keeps in memory (older ones are on the store)
 
 
 class FutureStore:
     """Request ids and their results: in memory while the server runs, and with a `journal` each result is
     written to the store before it is answered, so a restarted server still answers a finished request."""
 
-    def __init__(self, journal: Journal | None = None) -> None:
+    def __init__(self, journal: Journal | None = None, keep_finished: int = KEEP_FINISHED) -> None:
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
+        self._finished: collections.deque[str] = collections.deque()  # with a journal, oldest first
+        self.keep_finished = keep_finished
         self.journal = journal
 
     def new(self, **info: Any) -> str:
@@ -98,8 +102,20 @@ class FutureStore:
                 self.journal.record(rid, entry, result)
             except Exception:  # noqa: BLE001 (the store failing must not lose the answer the client waits for)
                 log.exception("tinker: request %s could not be written to the store", rid)
+        # The journal's parts are written: what stays in memory is the answer alone.
+        result.summary, result.samples = {}, []
         entry.result = result
         entry.done.set()
+        if self.journal is not None:
+            self._forget_old(rid)
+
+    def _forget_old(self, rid: str) -> None:
+        """Keep `keep_finished` finished results in memory; older ones are read back from the journal if polled
+        again (`known`). Without this a server's memory grew with every request it ever answered."""
+        with self._lock:
+            self._finished.append(rid)
+            while len(self._finished) > self.keep_finished:
+                self._entries.pop(self._finished.popleft(), None)
 
     def run(self, rid: str, fn: Callable[[], Result]) -> None:
         """Run `fn` and keep what it returns; an exception becomes the request's error (user or server)."""
@@ -131,7 +147,11 @@ class FutureStore:
     def wait(self, rid: str, timeout: float) -> Result | None:
         """The result, waiting up to `timeout` s for it (a long poll: the SDK asks again at once on try_again,
         so answering immediately would spin it); None while still pending. KeyError for an unknown id."""
-        entry = self._entries[rid]
+        entry = self._entries.get(rid)
+        if entry is None and self.known(rid):  # forgotten since `known` said yes: read back from the journal
+            entry = self._entries[rid]
+        if entry is None:
+            raise KeyError(rid)
         entry.done.wait(timeout)
         return entry.result
 

@@ -197,3 +197,17 @@ def test_requests_finishing_together_share_commits(tmp_path):
     assert {r["request_id"] for r in read_requests(store, "g").to_pylist()} == set(rids)
     assert sorted(r["output_token_ids"][0] for r in read_samples(store, "g").to_pylist()) == list(range(24))
     assert journal.rows.commits < 24
+
+
+def test_a_server_keeps_only_recent_results_in_memory_and_reads_older_ones_back(tmp_path):
+    """Issue 52 point 9: every answered request's result stayed in memory for the server's life."""
+    store = ObjectStore.from_uri(str(tmp_path / "store"))
+    futures = FutureStore(Journal(store, "srv"), keep_finished=3)
+    rids = []
+    for i in range(6):
+        rid = futures.new(type="asample")
+        futures.run(rid, lambda i=i: Result(json={"i": i}, samples=[], summary={"num_tokens": i}))
+        rids.append(rid)
+    assert len(futures._entries) == 3  # the three newest
+    assert futures.known(rids[0]) and futures.wait(rids[0], 0).json == {"i": 0}  # from the store
+    assert futures.wait(rids[5], 0).json == {"i": 5} and futures.wait(rids[5], 0).samples == []
