@@ -95,6 +95,18 @@ def append_samples(store: ObjectStore, server_id: str, rows: list[dict[str, Any]
     _append(store, SAMPLES, SAMPLE_SCHEMA, server_id, rows, lambda r: f"tinker-sample:{server_id}:{r['sequence_id']}")
 
 
+def upkeep(store: ObjectStore) -> None:
+    """Compact and checkpoint the request and sample tables, and reopen their handles from the checkpoint: every
+    request is a commit, and an open handle's state grew with each (about 0.2 MB a request, a server's memory
+    without bound; the run's tables get the same upkeep, storage/maintenance.py)."""
+    from sluiceway.storage import handles
+    from sluiceway.storage.maintenance import maintain_table
+
+    for name in (REQUESTS, SAMPLES):
+        maintain_table(store, name)
+        handles.forget(store, name)
+
+
 def read_requests(store: ObjectStore, server_id: str) -> pa.Table:
     """Every request row of ``server_id``, in the order they finished."""
     return _read(store, REQUESTS, REQUEST_SCHEMA, server_id, "finished_at")

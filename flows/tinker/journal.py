@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,9 @@ from dataclasses import dataclass, field
 from sluiceway.flows.tinker.futures import Result, _Entry
 from sluiceway.storage import tinker as tables
 from sluiceway.storage.object_store import ObjectStore
+
+log = logging.getLogger("sluiceway")
+UPKEEP_EVERY = 200  # group commits between two upkeeps of the request and sample tables (storage/tinker.py upkeep)
 
 
 @dataclass
@@ -58,6 +62,11 @@ class _GroupCommit:
             tables.append_samples(self.store, self.server_id, [r for b in batch for r in b.samples])
         except BaseException as e:  # noqa: BLE001 (every request of the batch learns it; the leader raises it)
             error = e
+        if error is None and (self.commits + 1) % UPKEEP_EVERY == 0:
+            try:  # while still the committer: no other commit of this process runs against it
+                tables.upkeep(self.store)
+            except Exception:  # noqa: BLE001 - upkeep is an economy; the answers do not depend on it
+                log.exception("tinker: upkeep of the request tables failed; it is tried again later")
         with self.cv:
             for b in batch:
                 b.done, b.error = True, error

@@ -211,3 +211,23 @@ def test_a_server_keeps_only_recent_results_in_memory_and_reads_older_ones_back(
     assert len(futures._entries) == 3  # the three newest
     assert futures.known(rids[0]) and futures.wait(rids[0], 0).json == {"i": 0}  # from the store
     assert futures.wait(rids[5], 0).json == {"i": 5} and futures.wait(rids[5], 0).samples == []
+
+
+def test_the_request_tables_get_upkeep_and_lose_no_row(tmp_path, monkeypatch):
+    """Every request is a commit: without upkeep an open handle's state grew by about 0.2 MB a request (measured
+    with 1,000 requests: 183 -> 385 MB; with upkeep every 200 commits it stays near 260 MB). Upkeep compacts and
+    checkpoints the tables and every row is still there."""
+    from sluiceway.flows.tinker import journal
+
+    monkeypatch.setattr(journal, "UPKEEP_EVERY", 5)
+    store = ObjectStore.from_uri(str(tmp_path / "store"))
+    futures = FutureStore(Journal(store, "srv"))
+    for i in range(12):
+        rid = futures.new(type="asample")
+        row = {"request_id": rid, "sequence_id": f"{rid}:0", "sample_index": 0, "sampling_session_id": None,
+               "sampler_path": "base", "prompt_token_ids": [1, 2], "output_token_ids": [3], "logprobs": [-0.5],
+               "stop_reason": "stop", "seed": None, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 4}  # fmt: skip
+        futures.run(rid, lambda row=row: Result(json={"i": 1}, samples=[row]))
+    assert read_requests(store, "srv").num_rows == 12 and read_samples(store, "srv").num_rows == 12
+    log = tmp_path / "store" / "tinker_requests" / "_delta_log"
+    assert list(log.glob("*.checkpoint.parquet")), sorted(p.name for p in log.iterdir())
