@@ -222,11 +222,12 @@ def test_the_request_tables_get_upkeep_and_lose_no_row(tmp_path, monkeypatch):
     monkeypatch.setattr(journal, "UPKEEP_EVERY", 5)
     store = ObjectStore.from_uri(str(tmp_path / "store"))
     futures = FutureStore(Journal(store, "srv"))
-    for i in range(12):
+    for _ in range(12):
         rid = futures.new(type="asample")
         row = {"request_id": rid, "sequence_id": f"{rid}:0", "sample_index": 0, "sampling_session_id": None,
                "sampler_path": "base", "prompt_token_ids": [1, 2], "output_token_ids": [3], "logprobs": [-0.5],
-               "stop_reason": "stop", "seed": None, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 4}  # fmt: skip
+               "stop_reason": "stop", "seed": None, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
+               "max_tokens": 4}  # fmt: skip
         futures.run(rid, lambda row=row: Result(json={"i": 1}, samples=[row]))
     assert read_requests(store, "srv").num_rows == 12 and read_samples(store, "srv").num_rows == 12
     log = tmp_path / "store" / "tinker_requests" / "_delta_log"
