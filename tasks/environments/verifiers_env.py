@@ -186,6 +186,18 @@ def tasks(env, size: int) -> list:
         raise UserError(f"the verifiers taskset's load() raised {_one_line(e)}") from None
 
 
+def task_at(env, cache: dict[int, Any], idx: int, size: int | None) -> Any:
+    """The taskset's task `idx`; `cache` holds the tasks loaded so far (the taskset's load() runs once for the
+    dataset's `size` tasks: it may read a dataset). ValueError for a task the taskset does not have."""
+    if idx not in cache:
+        for task in tasks(env, max(idx + 1, size or 0)):
+            cache.setdefault(task.data.idx, task)
+    task = cache.get(idx)
+    if task is None:
+        raise ValueError(f"the taskset has no task {idx}")
+    return task
+
+
 def prompt_of(task) -> str | list[dict]:
     """A task's prompt as a dataset row holds it: its text, or its messages as chat dicts."""
     prompt = task.data.prompt

@@ -131,12 +131,7 @@ class VerifiersGenerate(AgentGenerate):
         idx = meta.get("idx")
         if not isinstance(idx, int):
             raise ValueError(f"prompt {prompt.prompt_id} names no verifiers task (metadata.verifiers.idx)")
-        if idx not in self._tasks:  # the taskset's load() once for the dataset's tasks (it may read a dataset)
-            for task in verifiers_env.tasks(self.env, max(idx + 1, self.size or 0)):
-                self._tasks.setdefault(task.data.idx, task)
-        task = self._tasks.get(idx)
-        if task is None:
-            raise ValueError(f"the taskset has no task {idx}")
+        task = verifiers_env.task_at(self.env, self._tasks, idx, self.size)
         if meta.get("key") not in (None, task.key):
             raise ValueError(f"task {idx} of the taskset is not the one the dataset recorded (its key differs)")
         return task

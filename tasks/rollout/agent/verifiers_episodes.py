@@ -67,13 +67,7 @@ class Episodes:
         self._ctx_for: tuple[str, str] | None = None
 
     def task(self, idx: int) -> Any:
-        if idx not in self._tasks:  # the taskset's load() once for the dataset's tasks (it may read a dataset)
-            for task in verifiers_env.tasks(self.env, max(idx + 1, self.size or 0)):
-                self._tasks.setdefault(task.data.idx, task)
-        task = self._tasks.get(idx)
-        if task is None:
-            raise ValueError(f"the taskset has no task {idx}")
-        return task
+        return verifiers_env.task_at(self.env, self._tasks, idx, self.size)
 
     async def _serve(self) -> None:
         try:
