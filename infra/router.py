@@ -126,7 +126,7 @@ class SGLangRouter:
         request_timeout_s: int = 1800,
         worker_startup_timeout_s: int = 300,
         circuit_breaker: bool = False,
-        startup_timeout_s: float = 30.0,
+        startup_timeout_s: float = 120.0,  # 30 s was passed on a 2-core machine running a test suite and a benchmark
         extra_args: tuple[str, ...] = (),
         host: str = HOST,
     ) -> None:

@@ -85,6 +85,9 @@ def test_trigger_the_rl_deployment_from_the_ui_and_find_its_artifacts(tmp_path, 
             browser = p.chromium.launch(executable_path=CHROMIUM, headless=True)
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.set_default_timeout(60_000)
+            # expect's own default is 5 s: the custom-run form renders the whole run config, which took longer on a
+            # loaded 2-core machine (a benchmark beside the suite)
+            expect.set_options(timeout=60_000)
 
             # The deployment in the UI, then its custom-run form: the run config as a form.
             page.goto(server.url + "/deployments")
