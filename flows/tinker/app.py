@@ -192,6 +192,11 @@ class ServerState:
         if session is not None and session.get("owner") != owner:
             raise NotFound(f"unknown {what} {ident!r}")
 
+    def own(self, item: str, owner: str | None) -> None:
+        """Record who made a future or sampling session; only a server with keys asks (without, nothing is kept)."""
+        if self.keys is not None:
+            self.owners[item] = owner
+
     def check_item(self, owner: str | None, item: str, what: str) -> None:
         """NotFound unless the future or sampling session `item` was made with the key `owner` (one made before a
         restart has no owner in memory: with keys, it is unknown)."""
@@ -243,7 +248,8 @@ def build_app(state: ServerState) -> Starlette:
         """Queue `fn` on the model's runner (its seq_id order) and answer its request id at once; `info` describes
         the request for its row in the journal."""
         rid = state.futures.new(model_id=model_id, seq_id=seq_id, **info)
-        state.owners[rid] = (state.session(session_of(model_id)) or {}).get("owner")
+        if state.keys is not None:  # the model's session's key (no store read without keys)
+            state.own(rid, (state.session(session_of(model_id)) or {}).get("owner"))
         state.last_request[model_id] = _dt.datetime.now(_dt.UTC)
         with state.lock:
             runner = state.runners.get(model_id)
@@ -255,7 +261,7 @@ def build_app(state: ServerState) -> Starlette:
 
     def failed_future(exc: TinkerUserError, owner: str | None = None, **info) -> JSONResponse:
         rid = state.futures.new(**info)
-        state.owners[rid] = owner
+        state.own(rid, owner)
         state.futures.finish(rid, Result(error=str(exc), category="user"))
         return future_response(rid)
 
@@ -523,7 +529,7 @@ def build_app(state: ServerState) -> Starlette:
             raise TinkerUserError(f"base_model {req.base_model!r}: this server serves {state.base_model!r}")
         sid = f"sampler-{uuid.uuid4().hex[:16]}"
         state.sampling_sessions[sid] = (path, req.model_path)
-        state.owners[sid] = owner(request)
+        state.own(sid, owner(request))
         return JSONResponse(types.CreateSamplingSessionResponse(sampling_session_id=sid).model_dump(mode="json"))
 
     async def get_sampler(request: Request) -> Response:
@@ -554,7 +560,7 @@ def build_app(state: ServerState) -> Starlette:
             raise TinkerUserError(f"base_model {req.base_model!r}: this server serves {state.base_model!r}")
         prompt_len = req.prompt.length if req.prompt is not None else 0
         rid = state.futures.new(type="asample", num_datums=req.num_samples)
-        state.owners[rid] = owner(request)
+        state.own(rid, owner(request))
 
         def run() -> Result:
             seqs, prompt_lps = state.samplers.sample(model_dir, body)

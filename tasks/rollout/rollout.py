@@ -256,16 +256,12 @@ class _Aborted(GenerationDefaults):
 
 
 @dataclass
-class _Failed(GenerationDefaults):
+class _Failed(_Aborted):
     """A sample whose custom generate function raised, hung or returned what no row can hold: stored failed with
     the reason (never trained); the group's other samples go on."""
 
-    reason: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
     finish_reason: str = "failed"
-    weight_version: int = 0
-    latency_s: float = 0.0
+    reason: str = ""
 
     @property
     def row_metadata(self) -> dict:
@@ -290,10 +286,10 @@ async def guarded_generate(s: RolloutSettings, ctx: GenerateContext, prompt: Pro
             why = f"did not return within {s.timeout_s:g} s (--rollout-timeout-s)"
         else:
             why = f"raised {type(e).__name__}: {(str(e).splitlines() or [''])[0][:500]}"
-        return _Failed(f"{name} {why}", latency_s=time.perf_counter() - t0)
+        return _Failed(reason=f"{name} {why}", latency_s=time.perf_counter() - t0)
     problem = generation_problem(res, s.max_response_tokens)
     if problem is not None:
-        return _Failed(f"{name} {problem}", latency_s=time.perf_counter() - t0)
+        return _Failed(reason=f"{name} {problem}", latency_s=time.perf_counter() - t0)
     return res
 
 
