@@ -30,7 +30,7 @@ def settings(**kw) -> RolloutSettings:
     return RolloutSettings(**(base | kw))
 
 
-def start_stack(tmp, model_dir, n_engines):
+def start_stack(tmp, model_dir, n_engines, max_total_len: int = 160):
     router = SGLangRouter(tmp / "logs").start()
     env = dict(os.environ, SLUICEWAY_CACHE=str(model_dir.parent.parent))
     pool = EngineGroup(
@@ -39,6 +39,6 @@ def start_stack(tmp, model_dir, n_engines):
         tmp / "logs",
         router=router,
         env=env,
-        engine_args=("--max-running-requests", "16", "--max-total-len", "160"),
+        engine_args=("--max-running-requests", "16", "--max-total-len", str(max_total_len)),
     ).start()
     return router, pool

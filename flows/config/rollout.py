@@ -30,7 +30,7 @@ class RolloutConfig(Group):
     rollout_timeout_s: float = Field(
         1800.0,
         gt=0,
-        description="Seconds a custom generate function may take for one sample. One that takes longer (a slime "
+        description="A custom generate function's seconds for one sample. One that takes longer (a slime "
         "plugin, an agent, an environment's episode), raises or returns what no row can hold fails that sample "
         "alone, with the reason in its row.",
     )
@@ -53,10 +53,16 @@ class RolloutConfig(Group):
     )
     plugin_convention: Literal["auto", "slime", "sluiceway"] = Field(
         "auto",
-        description="Custom functions' calling convention: slime's or sluiceway's. auto: told from each function's "
+        description="Functions' convention: slime's or sluiceway's. auto: told from each function's "
         "signature (--custom-generate-function-path, --custom-rm-path, --dynamic-sampling-filter-path: slime's "
         "(args, sample, ...) or sluiceway's, docs/slime.md); one the signature cannot tell (*args, unfamiliar names) "
         "is an error asking for this setting.",
+    )
+    plugin_process: bool = Field(
+        True,
+        description="A slime generate function in a process of its own. One that exits or blocks its event loop "
+        "then costs its sample, not the run (tasks/rollout/slime_plugins/worker.py); --no-plugin-process runs it "
+        "in the run's process (a debugger's breakpoints; no isolation).",
     )
     rollout_max_context_len: int | None = Field(
         None,

@@ -110,6 +110,17 @@ _PLUGINS_4 = (
 )
 
 
+_PLUGINS_5 = (
+    "A slime generate function runs in a worker process of its own (tasks/rollout/slime_plugins/worker.py; "
+    "--no-plugin-process keeps it in the run's process, for a debugger): one that calls `os._exit`, is killed or "
+    "blocks the worker's event loop (a third of --rollout-timeout-s without a beat, 5 minutes at most) ends "
+    "that worker, and each call it held runs again alone in a worker of its own, so only the sample that ends "
+    "that one too is stored failed, with the reason; one that never returns is cut at --rollout-timeout-s. "
+    "slime's plugins share one `args`: attributes the run set go with each call and attributes the function "
+    "assigns come back onto the run's args, where the reward and filter hooks read them (a value changed in "
+    "place, `args.seen.append(x)`, does not cross). The reward, filter and log hooks run in the run's process."
+)
+
 _OUTSIDE = (
     "slime's own example plugins, unchanged: `python examples/run_slime_plugins.py /path/to/slime` runs "
     "examples/retool (generate_with_retool.generate and .reward_func, its tool sandbox, rm_hub.math_dapo_utils), "
@@ -211,6 +222,8 @@ def render_markdown() -> str:
         *textwrap.wrap(break_on_hyphens=False, text=_PLUGINS_3, width=110),
         "",
         *textwrap.wrap(break_on_hyphens=False, text=_PLUGINS_4, width=110),
+        "",
+        *textwrap.wrap(break_on_hyphens=False, text=_PLUGINS_5, width=110),
         "",
         *textwrap.wrap(break_on_hyphens=False, text=_OUTSIDE, width=110),
         "",

@@ -436,8 +436,7 @@ class Engine:
         def do() -> bool:
             if self._running or self._waiting:
                 return False
-            self.cache.k.zero_()
-            self.cache.v.zero_()
+            self.cache.clear()
             return True
 
         return self._control(do)

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from sluiceway.infra.call_worker import CallFailed, WorkerGone
 from sluiceway.storage.trajectories import (
     ABORTED,
     COMPLETED,
@@ -284,6 +285,10 @@ async def guarded_generate(s: RolloutSettings, ctx: GenerateContext, prompt: Pro
     except Exception as e:  # noqa: BLE001 - whatever the plugin raises is its sample's failure
         if bound.expired():
             why = f"did not return within {s.timeout_s:g} s (--rollout-timeout-s)"
+        elif isinstance(e, CallFailed):  # raised in its worker process: the worker's `Type: message`
+            why = f"raised {str(e)[:500]}"
+        elif isinstance(e, WorkerGone):
+            why = f"failed: {str(e)[:1000]}"
         else:
             why = f"raised {type(e).__name__}: {(str(e).splitlines() or [''])[0][:500]}"
         return _Failed(reason=f"{name} {why}", latency_s=time.perf_counter() - t0)

@@ -37,7 +37,7 @@ from sluiceway.tasks.environments import verifiers_env
 from sluiceway.tasks.rollout.agent.proxy import AgentGenerate
 from sluiceway.tasks.rollout.agent.server import AgentProxy, one_line
 from sluiceway.tasks.rollout.agent.session import DROPPED
-from sluiceway.tasks.rollout.agent.verifiers_worker import EpisodeWorker, WorkerGone
+from sluiceway.tasks.rollout.agent.verifiers_worker import CallFailed, EpisodeWorker, WorkerGone
 from sluiceway.tasks.rollout.multiturn import GenerateContext, TokenBuffer
 
 log = logging.getLogger("sluiceway")
@@ -174,7 +174,7 @@ class VerifiersGenerate(AgentGenerate):
         except WorkerGone as e:  # the environment's code ended or blocked its process: this sample's failure
             s.aborted = s.aborted or one_line(e, 300)
         except Exception as e:  # noqa: BLE001 - the environment's failure is the sample's, stored as aborted
-            said = str(e) if type(e) is RuntimeError else f"{type(e).__name__}: {e}"  # the worker's own words
+            said = str(e) if isinstance(e, CallFailed) else f"{type(e).__name__}: {e}"  # the worker's own words
             s.aborted = s.aborted or f"the verifiers episode raised {one_line(said, 200)}"
         finally:
             p.close(s)

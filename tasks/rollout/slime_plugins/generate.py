@@ -44,6 +44,7 @@ from sluiceway.infra.errors import UserError
 from sluiceway.tasks.rollout.generation import GenerationDefaults
 from sluiceway.tasks.rollout.slime_plugins import provide_slime_names
 from sluiceway.tasks.rollout.slime_plugins.args import router_of, set_router
+from sluiceway.tasks.rollout.slime_plugins.worker import SlimeCalls, plugin_worker, status_value
 
 FINISH = {"completed": "stop", "truncated": "length", "aborted": "abort"}
 # Sample fields the row's own columns hold: not repeated in its metadata
@@ -71,11 +72,6 @@ class SampleGeneration(GenerationDefaults):
     @property
     def weight_version(self) -> int:
         return self.weight_versions[-1] if self.weight_versions else 0
-
-
-def status_value(status: Any) -> str:
-    """A Sample's status as its string: slime's Status enum, or the plain string some plugins set (tau-bench)."""
-    return str(getattr(status, "value", status))
 
 
 def sample_record(sample) -> dict:
@@ -198,11 +194,17 @@ def _rid_parts(rid: str) -> tuple[int, int, int]:
 
 
 class SlimeGenerate:
-    """sluiceway's custom generate around slime's `fn(args, sample, sampling_params[, evaluation])`."""
+    """sluiceway's custom generate around slime's `fn(args, sample, sampling_params[, evaluation])`.
 
-    def __init__(self, fn, name: str, args: Namespace, apply_chat_template: bool):
-        self.fn, self.name, self.args, self.apply_chat_template = fn, name, args, apply_chat_template
-        self._loaded: dict[str, Any] = {}
+    With a `worker` (tasks/rollout/slime_plugins/worker.py, what the run uses) the function runs in a process of
+    its own; without one (the unit tests) here, on the run's loop."""
+
+    def __init__(self, fn, name: str, args: Namespace, apply_chat_template: bool, worker=None):
+        self.args, self.apply_chat_template = args, apply_chat_template
+        self.calls = SlimeCalls(fn, name)
+        self.name = name
+        self.worker = worker
+        self._sent: dict[str, Any] = dict(vars(args))  # the args attributes as the worker last got them
 
     def _args_for(self, ctx) -> Namespace:
         """The run's args pointed at the pool this group runs on (a copy for a remote pool's router)."""
@@ -217,16 +219,6 @@ class SlimeGenerate:
         set_router(other, url)
         return other
 
-    def _function(self, sample):
-        path = getattr(sample, "generate_function_path", None)
-        if not path:
-            return self.fn, self.name
-        if path not in self._loaded:
-            from sluiceway.tasks.rollout.slime_plugins.convention import load_plugin
-
-            self._loaded[path] = load_plugin(path, "sample.generate_function_path")
-        return self._loaded[path], path
-
     async def __call__(self, ctx, prompt, params: dict) -> SampleGeneration:
         provide_slime_names()
         from slime.rollout.sglang_rollout import GenerateState
@@ -240,66 +232,39 @@ class SlimeGenerate:
         if params.get("sampling_seed") is not None:
             sampling_params["sampling_seed"] = params["sampling_seed"]
         sample = prompt_sample(prompt, ctx, args, self.apply_chat_template)
-        fn, name = self._function(sample)
         t0 = time.perf_counter()
-        if "evaluation" in inspect.signature(fn).parameters:
-            out = await fn(args, sample, sampling_params, evaluation=False)
+        if self.worker is None:
+            out = await self.calls.generate(args, sample, sampling_params)
         else:
-            out = await fn(args, sample, sampling_params)
+            out = await self._in_worker(args, sample, sampling_params)
         latency = time.perf_counter() - t0
         if isinstance(out, list):
-            check_fan_out(out, name, Sample)
-            await self._rewards(args, out)
             return fan_out([generation_of_sample(s, args, latency) for s in out], _rid_parts(ctx.rid)[2])
-        if not isinstance(out, Sample):
-            raise UserError(f"{name} returned {type(out).__name__}, not a slime Sample")
+        if not isinstance(out, Sample):  # what crossed from the worker is checked there too
+            raise UserError(f"{self.name} returned {type(out).__name__}, not a slime Sample")
         return generation_of_sample(out, args, latency)
 
-    async def _rewards(self, args: Namespace, samples: list) -> None:
-        """slime's generate_and_rm for a list: a slime-convention --custom-rm-path gets the Samples left without a
-        reward, as one list (batched_async_rm); not with --group-rm, nor when a Sample was aborted."""
-        status = [status_value(s.status) for s in samples]
-        need = [s for s in samples if s.reward is None]
-        if not need or getattr(args, "group_rm", False) or "aborted" in status or self._rm is None:
-            return
-        rewards = await _awaited(self._rm(args, need))
-        if not isinstance(rewards, list | tuple) or len(rewards) != len(need):
-            raise UserError(f"{self._rm_name} returned {rewards!r} for a list of {len(need)} Samples: "
-                            "a list of as many rewards is needed (slime's batched_async_rm)")  # fmt: skip
-        for s, r in zip(need, rewards):
-            s.reward = r
+    async def _in_worker(self, args: Namespace, sample, sampling_params: dict):
+        """The call in the plugin's process: the run's args attributes changed since the worker last saw them go
+        with it, and the attributes the plugin set come back onto the run's args (slime's plugins share one
+        `args`: tasks/rollout/slime_plugins/args.py). A remote pool's copy goes whole, and its changes stay in it."""
+        own = args is self.args
+        if own:
+            now = vars(args)
+            changes = {k: v for k, v in now.items() if k not in self._sent or self._sent[k] is not v}
+            self._sent.update(changes)
+        else:
+            changes = dict(vars(args))
+        out, back = await self.worker.call((changes, own, sample, sampling_params))
+        if own:
+            for k, v in back.items():
+                setattr(self.args, k, v)
+            self._sent.update(back)
+        return out
 
-    @property
-    def _rm(self):
-        """The run's --custom-rm-path when it speaks slime's convention, else None (the reward stage scores)."""
-        if not hasattr(self, "_rm_fn"):
-            self._rm_fn, self._rm_name = None, getattr(self.args, "custom_rm_path", None)
-            if self._rm_name:
-                from sluiceway.tasks.rollout.slime_plugins.convention import RM, SLIME, convention_of, load_plugin
-
-                fn = load_plugin(self._rm_name, "--custom-rm-path")
-                conv = getattr(self.args, "plugin_convention", None) or "auto"
-                if convention_of(fn, RM, conv, self._rm_name) == SLIME:
-                    self._rm_fn = fn
-        return self._rm_fn
-
-
-async def _awaited(out):
-    return await out if inspect.isawaitable(out) else out
-
-
-def check_fan_out(samples: list, name: str, sample_class) -> None:
-    """slime's own checks on a returned list: Samples, at least one, siblings sharing one non-None rollout_id."""
-    if not samples:
-        raise UserError(f"{name} returned an empty list: a fan-out needs at least one Sample")
-    bad = next((s for s in samples if not isinstance(s, sample_class)), None)
-    if bad is not None:
-        raise UserError(f"{name} returned a list holding {type(bad).__name__}, not only slime Samples")
-    ids = {getattr(s, "rollout_id", None) for s in samples}
-    if len(samples) > 1 and (None in ids or len(ids) > 1):
-        raise UserError(f"{name} returned {len(samples)} Samples whose rollout_id are {sorted(map(str, ids))}: "
-                        "a fan-out's Samples must share one rollout_id, as slime asserts (set "
-                        "s.rollout_id = sample.index, as examples/multi_agent does)")  # fmt: skip
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
 
 
 def fan_out(generations: list[SampleGeneration], planned: int) -> SampleGeneration:
@@ -325,4 +290,6 @@ def load_generate(cfg, hf_dir, args=None):
         raise UserError(f"{flag} {path}: '{getattr(fn, '__name__', fn)}' must be an async function")
     if convention_of(fn, GENERATE, r.plugin_convention, path) != SLIME:
         return fn
-    return SlimeGenerate(fn, path, args or slime_args(cfg, hf_dir), cfg.data.apply_chat_template)
+    args = args or slime_args(cfg, hf_dir)
+    worker = plugin_worker(path, args, r.rollout_timeout_s) if r.plugin_process else None
+    return SlimeGenerate(fn, path, args, cfg.data.apply_chat_template, worker)
