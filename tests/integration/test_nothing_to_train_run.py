@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from cli_run import BATCH, N, cli_args
 from paths import ROOT
 
@@ -19,6 +20,8 @@ from sluiceway.storage.metrics import read_metrics
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.storage.trajectories import RETRIED, read_trajectories
 from sluiceway.tasks.train.batch import trainable_rows
+
+pytestmark = pytest.mark.shared_prefect  # its runs use the worker's Prefect server: tests/integration/conftest.py
 
 GENERATE = f"{ROOT / 'tests' / 'data' / 'misbehaving_generate.py'}:generate"
 

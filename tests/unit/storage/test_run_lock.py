@@ -62,7 +62,12 @@ def test_a_forked_child_that_outlives_the_holder_does_not_keep_the_lock(tmp_path
     holder = ctx.Process(target=hold_run_lock_and_fork, args=(tmp_path / "run", store, ready, orphan))
     holder.start()
     assert ready.wait(60)
-    holder.join(30)
+    # Not holder.join(): the orphan inherited the write end of the holder's sentinel pipe, which join waits on,
+    # so join would last until its timeout (30 s a test); is_alive asks waitpid.
+    deadline = time.monotonic() + 30
+    while holder.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not holder.is_alive()
     try:
         os.kill(orphan.value, 0)  # the orphan still lives...
         with run_lock.hold(tmp_path / "run", store, "r1", "resume"):  # ...and the lock is free
