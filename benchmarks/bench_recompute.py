@@ -46,12 +46,8 @@ def child(args) -> None:
     from transformers import AutoConfig
 
     from sluiceway.models.hf_megatron import load_hf_weights
-    from sluiceway.models.megatron_gpt import (
-        build_gpt_model,
-        init_parallel_state,
-        recompute_overrides,
-        token_logprobs_and_entropy,
-    )
+    from sluiceway.models.megatron_gpt import build_gpt_model, init_parallel_state, recompute_overrides
+    from sluiceway.models.megatron_logprobs import token_logprobs_and_entropy
     from sluiceway.models.zoo import load_hf_state_dict, resolve_checkpoint
     from sluiceway.tasks.train.memory_model import PROCESS_RUNTIME, Layout, Recompute
     from sluiceway.tasks.train.memory_plan import plan

@@ -13,7 +13,7 @@ recomputes each chunk's softmax from them. Two forms:
 - `LinearTokenLogProbEntropy` takes the hidden states and the output layer's weight and makes each chunk's
   logits itself, forward and again in backward, so neither the [tokens, vocab] logits nor their gradient exist
   whole (2 x 2.2 GB a micro-batch for a 152k vocabulary at 7k tokens); the cost is the output layer's product
-  once more. The trainer takes it on CUDA (models/megatron_gpt.py, `logprobs_at`).
+  once more. The trainer takes it on CUDA (models/megatron_logprobs.py, `logprobs_at`).
 
 On CUDA each chunk's softmax arithmetic runs as one or two fused kernels (`torch.compile` of `_chunk_stats` and
 `_chunk_grad`) instead of about ten passes over fp32 copies; where compiling fails, the same functions run eagerly.

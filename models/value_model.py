@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from sluiceway.models.hf_megatron import load_hf_weights
-from sluiceway.models.megatron_gpt import build_gpt_model, gpt_logits
+from sluiceway.models.megatron_gpt import build_gpt_model
+from sluiceway.models.megatron_logprobs import gpt_logits
 
 __all__ = ["ValueHead", "build_value_model", "init_value_head", "token_values"]
 

@@ -9,7 +9,8 @@ from model_helpers import VOCAB, padded_batch, tiny_hf_model
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from sluiceway.models.lora import LoraAdapters, LoraSpec
-from sluiceway.models.megatron_gpt import build_gpt_model, token_logprobs_and_entropy
+from sluiceway.models.megatron_gpt import build_gpt_model
+from sluiceway.models.megatron_logprobs import token_logprobs_and_entropy
 
 TEMPERATURE = 0.7
 LENGTHS = [12, 7, 3]

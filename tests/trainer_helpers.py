@@ -14,7 +14,7 @@ def make_trainer(path, tok, bf16=False, **algo):
 
 
 def sequence_logprob(trainer, sample):
-    from sluiceway.models.megatron_gpt import token_logprobs
+    from sluiceway.models.megatron_logprobs import token_logprobs
 
     mb = collate([sample], trainer.pad_token_id)
     with torch.no_grad():

@@ -138,7 +138,7 @@ class TinkerModel:
     def _logprobs(self, token_lists: list[list[int]], targets: list[torch.Tensor]) -> list[torch.Tensor]:
         """log p(target_t | tokens[:t+1]) for every position of every datum, in one batch padded on the right
         (the attention is causal, so padding after a datum changes none of its positions)."""
-        from sluiceway.models.megatron_gpt import logprobs_at
+        from sluiceway.models.megatron_logprobs import logprobs_at
 
         t = self.trainer
         width = max(len(x) for x in token_lists)

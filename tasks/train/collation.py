@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from sluiceway.flows.config import TrainingConfig
-from sluiceway.models.megatron_gpt import packed_attention_mask
+from sluiceway.models.megatron_logprobs import packed_attention_mask
 from sluiceway.tasks.train.micro_batches import plan_micro_batches, shard_for_rank
 from sluiceway.tasks.train.samples import TrainSample
 

@@ -26,14 +26,14 @@ from transformers import AutoConfig
 
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
 from sluiceway.models.hf_megatron import load_hf_weights
-from sluiceway.models.megatron_gpt import (  # megatron.core through here: it silences the no-TE warnings
+from sluiceway.models.megatron_gpt import (
     allreduce_gradients,
     build_gpt_model,
     init_parallel_state,
-    logprobs_at,
     parallel_state,
     recompute_overrides,
 )
+from sluiceway.models.megatron_logprobs import logprobs_at
 from sluiceway.models.zoo import load_hf_state_dict
 from sluiceway.tasks.sync.disk import write_weight_version
 from sluiceway.tasks.train.advantages import TOKEN_LEVEL_ESTIMATORS, token_advantages

@@ -49,7 +49,7 @@ def make_trainer(path, tok, device: str, bf16: bool):
 
 
 def test_megatron_logprobs_match_transformers_on_cuda(tiny):
-    from sluiceway.models.megatron_gpt import token_logprobs
+    from sluiceway.models.megatron_logprobs import token_logprobs
     from sluiceway.models.zoo import load_hf_model
     from sluiceway.tasks.train.collation import collate
 

@@ -115,6 +115,7 @@ def test_a_step_synchronises_once(tiny):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fused_output_layer_on_cuda_matches_the_logits_path(tiny, dtype, monkeypatch):
     import sluiceway.models.megatron_gpt as mg
+    import sluiceway.models.megatron_logprobs as mlp
     from sluiceway.models.hf_megatron import load_hf_weights
     from sluiceway.models.zoo import load_hf_model
 
@@ -127,11 +128,11 @@ def test_fused_output_layer_on_cuda_matches_the_logits_path(tiny, dtype, monkeyp
     needed[:, 12:] = True
 
     def run(fused: bool):
-        monkeypatch.setattr(mg, "FUSED_OUTPUT_LAYER", fused)
+        monkeypatch.setattr(mlp, "FUSED_OUTPUT_LAYER", fused)
         model = mg.build_gpt_model(hf.config, dtype=dtype, device="cuda").train()
         load_hf_weights(model, hf)
-        assert (mg.fused_output_weight(model, ids.device) is not None) == fused
-        logp, ent = mg.token_logprobs_and_entropy(model, ids, 0.8, needed=needed)
+        assert (mlp.fused_output_weight(model, ids.device) is not None) == fused
+        logp, ent = mlp.token_logprobs_and_entropy(model, ids, 0.8, needed=needed)
         (logp.sum() - 0.1 * ent.sum()).backward()
         return logp.detach(), ent.detach(), [p.grad.float() for p in model.parameters()]
 
@@ -146,6 +147,7 @@ def test_fused_output_layer_on_cuda_matches_the_logits_path(tiny, dtype, monkeyp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_compiled_layers_on_cuda_match_the_eager_layers(tiny, dtype, monkeypatch):
     import sluiceway.models.megatron_gpt as mg
+    import sluiceway.models.megatron_logprobs as mlp
     from sluiceway.models.hf_megatron import load_hf_weights
     from sluiceway.models.zoo import load_hf_model
 
@@ -164,7 +166,7 @@ def test_compiled_layers_on_cuda_match_the_eager_layers(tiny, dtype, monkeypatch
         out = []
         for ids in batches:
             model.zero_grad(set_to_none=True)
-            logp, ent = mg.token_logprobs_and_entropy(model, ids, 0.8)
+            logp, ent = mlp.token_logprobs_and_entropy(model, ids, 0.8)
             (logp.sum() - 0.1 * ent.sum()).backward()
             out.append((logp.detach(), [p.grad.float() for p in model.parameters()]))
         return out

@@ -141,7 +141,8 @@ def test_logprobs_match_megatron_trainer(server, model_dir):
     from transformers import AutoConfig
 
     from sluiceway.models.hf_megatron import load_hf_weights
-    from sluiceway.models.megatron_gpt import build_gpt_model, init_parallel_state, token_logprobs
+    from sluiceway.models.megatron_gpt import build_gpt_model, init_parallel_state
+    from sluiceway.models.megatron_logprobs import token_logprobs
 
     init_parallel_state()
     cfg = AutoConfig.from_pretrained(model_dir)

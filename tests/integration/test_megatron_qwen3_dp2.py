@@ -16,12 +16,8 @@ from sluiceway.infra.proc import free_port
 from sluiceway.models.hf_megatron import (
     load_hf_weights,
 )
-from sluiceway.models.megatron_gpt import (
-    allreduce_gradients,
-    build_gpt_model,
-    init_parallel_state,
-    token_logprobs_and_entropy,
-)
+from sluiceway.models.megatron_gpt import allreduce_gradients, build_gpt_model, init_parallel_state
+from sluiceway.models.megatron_logprobs import token_logprobs_and_entropy
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

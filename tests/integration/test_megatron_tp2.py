@@ -18,11 +18,8 @@ from sluiceway.models.hf_megatron import (
     megatron_to_hf,
     merge_tp_shards,
 )
-from sluiceway.models.megatron_gpt import (
-    build_gpt_model,
-    init_parallel_state,
-    token_logprobs_and_entropy,
-)
+from sluiceway.models.megatron_gpt import build_gpt_model, init_parallel_state
+from sluiceway.models.megatron_logprobs import token_logprobs_and_entropy
 
 # megatron-core 0.16 emits DeprecationWarnings for its own defaults (tp_group=None, ffn_hidden_size): not ours.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

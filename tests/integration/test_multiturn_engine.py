@@ -71,7 +71,7 @@ def test_two_turns_keep_engine_tokens_and_mask_the_environment(tmp_path):
     # The model tokens' log-probs are what the trainer computes on the whole sequence, environment included:
     # the engine saw exactly these ids (nothing was re-tokenized between turns).
     from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
-    from sluiceway.models.megatron_gpt import token_logprobs
+    from sluiceway.models.megatron_logprobs import token_logprobs
     from sluiceway.tasks.train.collation import collate
     from sluiceway.tasks.train.samples import TrainSample
     from sluiceway.tasks.train.trainer import PolicyTrainer

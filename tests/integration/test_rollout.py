@@ -99,7 +99,7 @@ def test_router_two_engines_logprobs_and_engine_death(tmp_path, model_dir):
 
     # The engines' log-probs are the trainer's for the same tokens and weights.
     from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
-    from sluiceway.models.megatron_gpt import token_logprobs
+    from sluiceway.models.megatron_logprobs import token_logprobs
     from sluiceway.tasks.train.collation import collate
     from sluiceway.tasks.train.samples import TrainSample
     from sluiceway.tasks.train.trainer import PolicyTrainer

@@ -129,13 +129,8 @@ def test_activation_formula_matches_what_autograd_keeps():
     import torch
     from transformers import AutoConfig
 
-    from sluiceway.models.megatron_gpt import (
-        build_gpt_model,
-        init_parallel_state,
-        packed_attention_mask,
-        recompute_overrides,
-        token_logprobs_and_entropy,
-    )
+    from sluiceway.models.megatron_gpt import build_gpt_model, init_parallel_state, recompute_overrides
+    from sluiceway.models.megatron_logprobs import packed_attention_mask, token_logprobs_and_entropy
 
     init_parallel_state()
     llama = dict(model_type="llama", vocab_size=1000, hidden_size=128, num_hidden_layers=3, num_attention_heads=8,

@@ -9,6 +9,7 @@ import torch
 from model_helpers import tiny_hf_model
 
 import sluiceway.models.megatron_gpt as mg
+import sluiceway.models.megatron_logprobs as mlp
 from sluiceway.models.hf_megatron import load_hf_weights
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def _step(model, ids):
     for p in model.parameters():
         p.grad = None
-    logits = mg.gpt_logits(model, ids)
+    logits = mlp.gpt_logits(model, ids)
     logits.float().square().mean().backward()
     return logits.detach(), [p.grad.clone() for p in model.parameters()]
 

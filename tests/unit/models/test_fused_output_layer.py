@@ -1,6 +1,6 @@
 """The output layer fused with the vocabulary log-prob (`LinearTokenLogProbEntropy`, the trainer's path on GPUs):
 the same log-probs, entropies and gradients as the output layer's logits through `TokenLogProbEntropy`, here on CPU
-where both run (models/megatron_gpt.FUSED_OUTPUT_LAYER forces it), with several chunks and a ragged last one."""
+where both run (models/megatron_logprobs.FUSED_OUTPUT_LAYER forces it), with several chunks and a ragged last one."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import sluiceway.models.fused_logprobs as fused
 import sluiceway.models.megatron_gpt as mg
+import sluiceway.models.megatron_logprobs as mlp
 from sluiceway.models.fused_logprobs import linear_token_logprob_entropy, token_logprob_entropy
 from sluiceway.models.hf_megatron import load_hf_weights
 
@@ -79,14 +80,14 @@ def test_megatron_model_fused_output_layer_gives_the_same_logprobs_and_gradients
     needed = torch.zeros(3, 23, dtype=torch.bool)
     needed[:, 9:] = True
     needed[1, 20:] = False  # a shorter sample
-    mask = mg.packed_attention_mask(torch.arange(24).div(9, rounding_mode="floor").expand(3, 24)) if packed else None
+    mask = mlp.packed_attention_mask(torch.arange(24).div(9, rounding_mode="floor").expand(3, 24)) if packed else None
 
     def run(fused_layer: bool):
-        monkeypatch.setattr(mg, "FUSED_OUTPUT_LAYER", fused_layer)
+        monkeypatch.setattr(mlp, "FUSED_OUTPUT_LAYER", fused_layer)
         model = mg.build_gpt_model(config).train()
         load_hf_weights(model, hf)
-        assert (mg.fused_output_weight(model, ids.device) is not None) == fused_layer
-        logp, ent = mg.token_logprobs_and_entropy(model, ids, 0.8, attention_mask=mask, needed=needed)
+        assert (mlp.fused_output_weight(model, ids.device) is not None) == fused_layer
+        logp, ent = mlp.token_logprobs_and_entropy(model, ids, 0.8, attention_mask=mask, needed=needed)
         (logp.sum() + 0.1 * ent.sum()).backward()
         return logp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 

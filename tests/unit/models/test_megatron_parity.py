@@ -17,15 +17,13 @@ from sluiceway.models.hf_megatron import (
     merge_tp_shards,
 )
 from sluiceway.models.megatron_attention import SDPACoreAttention
-from sluiceway.models.megatron_gpt import (
-    build_gpt_model,
+from sluiceway.models.megatron_gpt import build_gpt_model, init_parallel_state, transformer_config_from_hf
+from sluiceway.models.megatron_logprobs import (
     gpt_logits,
-    init_parallel_state,
     logprobs_at,
     packed_attention_mask,
     token_logprobs,
     token_logprobs_and_entropy,
-    transformer_config_from_hf,
 )
 
 # megatron-core 0.16 emits DeprecationWarnings for its own defaults (tp_group=None, ffn_hidden_size): not ours.

@@ -22,10 +22,9 @@ from sluiceway.models.megatron_gpt import (
     allreduce_gradients,
     build_gpt_model,
     init_parallel_state,
-    token_logprobs,
-    token_logprobs_and_entropy,
     transformer_config_from_hf,
 )
+from sluiceway.models.megatron_logprobs import token_logprobs, token_logprobs_and_entropy
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -17,13 +17,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from sluiceway.models.hf_megatron import load_hf_weights
-from sluiceway.models.megatron_gpt import (
-    build_gpt_model,
-    init_parallel_state,
-    packed_attention_mask,
-    recompute_overrides,
-    token_logprobs_and_entropy,
-)
+from sluiceway.models.megatron_gpt import build_gpt_model, init_parallel_state, recompute_overrides
+from sluiceway.models.megatron_logprobs import packed_attention_mask, token_logprobs_and_entropy
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

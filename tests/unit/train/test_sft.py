@@ -8,7 +8,7 @@ import torch
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
 from sluiceway.infra.errors import UserError
 from sluiceway.models.chat import encode_prompt, render_prompt
-from sluiceway.models.megatron_gpt import token_logprobs
+from sluiceway.models.megatron_logprobs import token_logprobs
 from sluiceway.storage.datasets import import_prompts, load_prompts
 from sluiceway.storage.object_store import ObjectStore
 from sluiceway.tasks.train.collation import collate
