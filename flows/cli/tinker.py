@@ -4,6 +4,8 @@ point a Tinker program at it with TINKER_BASE_URL=http://127.0.0.1:PORT and any 
 
 from __future__ import annotations
 
+SHUTDOWN_GRACE_S = 10
+
 
 def add_parser(sub) -> None:
     tk = sub.add_parser("tinker", help="serve Tinker's API (Thinking Machines' SDK) over sluiceway's trainer")
@@ -37,14 +39,17 @@ def run(args) -> int:
     import uvicorn
 
     from sluiceway.flows.tinker.access import read_keys
-    from sluiceway.flows.tinker.app import ServerState, build_app
+    from sluiceway.flows.tinker.app import build_app
     from sluiceway.flows.tinker.model import MICRO_BATCH_TOKENS
+    from sluiceway.flows.tinker.server_state import ServerState
     from sluiceway.infra.errors import UserError
+    from sluiceway.infra.malloc import bound_heap_growth
     from sluiceway.models.zoo import resolve_checkpoint
     from sluiceway.storage.object_store import ObjectStore
     from sluiceway.storage.run_lock import hold
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    bound_heap_growth()  # before any thread: a long-lived server's arenas otherwise only grow (infra/malloc.py)
     try:
         keys = read_keys(args.api_keys_file) if args.api_keys_file else None
     except ValueError as e:
@@ -67,7 +72,9 @@ def run(args) -> int:
         print(f"sluiceway tinker: serving {args.base_model} on http://{args.host}:{args.port} (store {store}, "
               f"server id {args.server_id})", flush=True)  # fmt: skip
         try:
-            uvicorn.run(build_app(state), host=args.host, port=args.port, log_level="warning")
+            # SIGTERM: in-flight requests get SHUTDOWN_GRACE_S, not for ever (a sample can run for minutes)
+            uvicorn.run(build_app(state), host=args.host, port=args.port, log_level="warning",
+                        timeout_graceful_shutdown=SHUTDOWN_GRACE_S)  # fmt: skip
         finally:
             state.close()  # the engines' and runners' threads
     return 0

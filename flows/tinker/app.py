@@ -8,12 +8,8 @@ from __future__ import annotations
 import asyncio
 import datetime as _dt
 import logging
-import re
 import tempfile
-import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +25,22 @@ from sluiceway.flows.tinker.access import NotAuthenticated, NotFound, caller, se
 from sluiceway.flows.tinker.adam import check_adam
 from sluiceway.flows.tinker.futures import (
     PROTOBUF,
-    FutureStore,
     Result,
     SequencedRunner,
     TinkerUserError,
     not_implemented,
 )
 from sluiceway.flows.tinker.limits import check_sample_sizes, inflate, json_object, read_body
+from sluiceway.flows.tinker.server_state import (
+    MODEL_ID,
+    ServerState,
+    check_name,
+    checkpoint_record,
+    now_iso,
+    parse_state_path,
+    sample_rows,
+    str_metadata,
+)
 from sluiceway.flows.tinker.wire import forward_backward_output, parse_forward_backward, sample_response
 from sluiceway.storage.object_store import ObjectStore
 
@@ -49,171 +54,6 @@ FUTURE_ROUTES_NOT_IMPLEMENTED = {
     "unload_model": "unload_model",
     "create_custom_loss": "server-side custom losses (custom_loss_server_side is off: they run on the client)",
 }
-
-
-@dataclass
-class ServerState:
-    base_model: str  # the name the user gave (a zoo name or a directory)
-    base_dir: Path  # its local HF directory
-    work_dir: Path  # where sampler weights are written
-    device: str = "cpu"
-    store: ObjectStore | None = None  # where the journal, saved states and tables go (--store)
-    server_id: str = "tinker"  # this server's name on the store (--server-id): a restart with the same one resumes
-    futures: FutureStore | None = None
-    sessions: dict[str, dict] = field(default_factory=dict)
-    models: dict[str, Any] = field(default_factory=dict)  # model_id -> TinkerModel, once created
-    runners: dict[str, SequencedRunner] = field(default_factory=dict)
-    sampler_dirs: dict[str, Path] = field(default_factory=dict)  # tinker:// path -> its model directory
-    sampling_sessions: dict[str, tuple[Path, str | None]] = field(default_factory=dict)  # id -> (dir, path)
-    training_runs: dict[str, dict] = field(default_factory=dict)  # model_id -> its record (get_training_run)
-    last_request: dict[str, _dt.datetime] = field(default_factory=dict)  # model_id -> its last request's time
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    # asample's threads: each waits on its engine's generate, so as many as the engines' rows (Samplers.max_running)
-    # run at once and the engine batches them (the cookbook sends a group's samples as separate requests at once)
-    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(16, thread_name_prefix="tinker"))
-    samplers: Any = None
-    keys: frozenset[str] | None = None  # digests of --api-keys-file's keys; None: no keys, one user (access.py)
-    micro_batch_tokens: int = 4096  # token positions of a forward_backward micro-batch (--micro-batch-tokens)
-    owners: dict[str, str | None] = field(default_factory=dict)  # future or sampling session id -> its key's digest
-
-    def __post_init__(self) -> None:
-        from sluiceway.flows.tinker.sampler import Samplers
-
-        self.samplers = self.samplers or Samplers()
-        if self.futures is None:
-            from sluiceway.flows.tinker.journal import Journal
-
-            self.futures = FutureStore(Journal(self.store, self.server_id) if self.store is not None else None)
-
-    def close(self) -> None:
-        for r in self.runners.values():
-            r.stop()
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        self.samplers.close()
-
-    def session(self, sid: str) -> dict | None:
-        """A session of this server: in memory, or one a server before a restart created (from the store), so
-        a client's ServiceClient carries on across a restart."""
-        if sid in self.sessions:
-            return self.sessions[sid]
-        if self.store is None or not re.match(r"^session-[0-9a-f]{16}$", sid):
-            return None
-        from sluiceway.storage.tinker import read_json, server_path
-
-        found = read_json(self.store, server_path(self.store, self.server_id, "sessions", f"{sid}.json"))
-        if found is not None:
-            self.sessions.setdefault(sid, found)
-        return found
-
-    def save_session(self, sid: str, session: dict) -> None:
-        self.sessions[sid] = session
-        if self.store is not None:
-            from sluiceway.storage.tinker import server_path, write_json
-
-            write_json(self.store, server_path(self.store, self.server_id, "sessions", f"{sid}.json"), session)
-
-    def save_sampler_dir(self, tinker_path: str, path: Path) -> None:
-        self.sampler_dirs[tinker_path] = path
-        if self.store is not None:  # the directory is local (--work-dir): it outlives a restart on this machine
-            from sluiceway.storage.tinker import server_path, write_json
-
-            where = server_path(self.store, self.server_id, "sampler_weights", sampler_key(tinker_path))
-            write_json(self.store, where, {"tinker_path": tinker_path, "dir": str(path)})
-
-    def sampler_dir(self, tinker_path: str) -> Path:
-        """The model directory a save_weights_for_sampler path names (one saved before a restart too)."""
-        if tinker_path in self.sampler_dirs:
-            return self.sampler_dirs[tinker_path]
-        found = None
-        if self.store is not None:
-            from sluiceway.storage.tinker import read_json, server_path
-
-            found = read_json(self.store, server_path(self.store, self.server_id, "sampler_weights",
-                                                      sampler_key(tinker_path)))  # fmt: skip
-        if found is None or not Path(found["dir"]).is_dir():
-            raise TinkerUserError(f"unknown model_path {tinker_path!r}: give a path save_weights_for_sampler "
-                                  "returned by this server (its weights are in the server's --work-dir)")  # fmt: skip
-        self.sampler_dirs[tinker_path] = Path(found["dir"])
-        return self.sampler_dirs[tinker_path]
-
-    def delete_sampler_dir(self, tinker_path: str) -> bool:
-        """Forget a save_weights_for_sampler path and remove its directory (an engine on it is closed); False when
-        this server knows no such path."""
-        import shutil
-
-        try:
-            path = self.sampler_dir(tinker_path)
-        except TinkerUserError:
-            return False
-        self.sampler_dirs.pop(tinker_path, None)
-        if self.store is not None:
-            from sluiceway.storage.tinker import delete_json, server_path
-
-            delete_json(self.store, server_path(self.store, self.server_id, "sampler_weights",
-                                                sampler_key(tinker_path)))  # fmt: skip
-        self.samplers.drop(path)
-        if path.resolve().is_relative_to(self.work_dir.resolve()):  # only what this server wrote
-            shutil.rmtree(path, ignore_errors=True)
-        return True
-
-    def training_run(self, model_id: str) -> dict | None:
-        """A model's training-run record (what the REST client's get_training_run answers): in memory, or from
-        the store for a model of a server before a restart (a state saved then is loaded by its model id)."""
-        if model_id in self.training_runs:
-            return self.training_runs[model_id]
-        if self.store is None or not MODEL_ID.match(model_id):
-            return None
-        from sluiceway.storage.tinker import read_json, training_run_path
-
-        found = read_json(self.store, training_run_path(self.store, self.server_id, model_id))
-        if found is not None:
-            self.training_runs.setdefault(model_id, found)
-        return found
-
-    def update_training_run(self, model_id: str, **changes: Any) -> None:
-        """Create or change a model's training-run record, on the store too. A store that fails is logged: the
-        request it belongs to (create_model, a save) still succeeds."""
-        record = {**(self.training_run(model_id) or {}), **changes, "updated_at": now_iso()}
-        self.training_runs[model_id] = record
-        if self.store is not None:
-            from sluiceway.storage.tinker import training_run_path, write_json
-
-            try:
-                write_json(self.store, training_run_path(self.store, self.server_id, model_id), record)
-            except Exception:  # noqa: BLE001
-                log.exception("tinker: the training run of %s could not be written to the store", model_id)
-
-    def check_owner(self, owner: str | None, ident: str, what: str) -> None:
-        """NotFound unless `ident` (a session or model id, a tinker:// path) belongs to the key `owner`; a session
-        this server does not know is left to the route to call unknown."""
-        if self.keys is None:
-            return
-        session = self.session(session_of(ident))
-        if session is not None and session.get("owner") != owner:
-            raise NotFound(f"unknown {what} {ident!r}")
-
-    def own(self, item: str, owner: str | None) -> None:
-        """Record who made a future or sampling session; only a server with keys asks (without, nothing is kept)."""
-        if self.keys is not None:
-            self.owners[item] = owner
-
-    def check_item(self, owner: str | None, item: str, what: str) -> None:
-        """NotFound unless the future or sampling session `item` was made with the key `owner` (one made before a
-        restart has no owner in memory: with keys, it is unknown)."""
-        if self.keys is not None and self.owners.get(item, "") != owner:
-            raise NotFound(f"unknown {what} {item!r}")
-
-    def model(self, model_id: str):
-        m = self.models.get(model_id)
-        if m is None:
-            raise TinkerUserError(
-                f"unknown model_id {model_id!r} (create it first; after a server restart, "
-                "resume from a saved state: create_training_client_from_state)"
-            )
-        return m
-
-    def matches_base(self, name: str | None) -> bool:
-        return name is None or name == self.base_model or name == str(self.base_dir)
 
 
 def error(status: int, message: str) -> JSONResponse:
@@ -231,97 +71,104 @@ def future_response(rid: str, model_id: str | None = None, **extra) -> JSONRespo
     return JSONResponse(body)
 
 
-def build_app(state: ServerState) -> Starlette:
-    def owner(request: Request) -> str | None:
+class TinkerApi:
+    """The server's routes, one method each (the paths are `build_app`'s table), over its `ServerState`."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    def owner(self, request: Request) -> str | None:
         return getattr(request.state, "owner", None)
 
-    async def authenticate(request: Request, call_next) -> Response:
+    async def authenticate(self, request: Request, call_next) -> Response:
         """Every route but the health check needs one of the server's keys, when it has keys (access.py)."""
         if request.url.path != "/api/v1/healthz":
             try:
-                request.state.owner = caller(state.keys, request.headers)
+                request.state.owner = caller(self.state.keys, request.headers)
             except NotAuthenticated as e:
                 return error(401, str(e))
         return await call_next(request)
 
-    def submit(model_id: str, seq_id: int | None, fn, **info) -> str:
+    def submit(self, model_id: str, seq_id: int | None, fn, **info) -> str:
         """Queue `fn` on the model's runner (its seq_id order) and answer its request id at once; `info` describes
         the request for its row in the journal."""
-        rid = state.futures.new(model_id=model_id, seq_id=seq_id, **info)
-        if state.keys is not None:  # the model's session's key (no store read without keys)
-            state.own(rid, (state.session(session_of(model_id)) or {}).get("owner"))
-        state.last_request[model_id] = _dt.datetime.now(_dt.UTC)
-        with state.lock:
-            runner = state.runners.get(model_id)
+        rid = self.state.futures.new(model_id=model_id, seq_id=seq_id, **info)
+        if self.state.keys is not None:  # the model's session's key (no store read without keys)
+            self.state.own(rid, (self.state.session(session_of(model_id)) or {}).get("owner"))
+        self.state.last_request[model_id] = _dt.datetime.now(_dt.UTC)
+        with self.state.lock:
+            runner = self.state.runners.get(model_id)
         if runner is None:
-            state.futures.finish(rid, Result(error=f"unknown model_id {model_id!r} (create it first)"))
+            self.state.futures.finish(rid, Result(error=f"unknown model_id {model_id!r} (create it first)"))
         else:
-            runner.submit(seq_id, lambda: state.futures.run(rid, fn))
+            runner.submit(seq_id, lambda: self.state.futures.run(rid, fn))
         return rid
 
-    def failed_future(exc: TinkerUserError, owner: str | None = None, **info) -> JSONResponse:
-        rid = state.futures.new(**info)
-        state.own(rid, owner)
-        state.futures.finish(rid, Result(error=str(exc), category="user"))
+    def failed_future(self, exc: TinkerUserError, owner: str | None = None, **info) -> JSONResponse:
+        rid = self.state.futures.new(**info)
+        self.state.own(rid, owner)
+        self.state.futures.finish(rid, Result(error=str(exc), category="user"))
         return future_response(rid)
 
-    async def healthz(request: Request) -> Response:
+    async def healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
-    async def client_config(request: Request) -> Response:
+    async def client_config(self, request: Request) -> Response:
         # zstd on: the SDK then compresses forward_backward bodies, and this server reads them (limits.inflate).
         cfg = types.ClientConfigResponse(proto_compress_fwdbwd=True)
         return JSONResponse(cfg.model_dump(mode="json"))
 
-    async def dynamic_config(request: Request) -> Response:
+    async def dynamic_config(self, request: Request) -> Response:
         return JSONResponse(types.ClientDynamicConfigResponse().model_dump(mode="json"))
 
-    async def capabilities(request: Request) -> Response:
-        model = {"model_name": state.base_model, "trainable": True, "sampleable": True}
+    async def capabilities(self, request: Request) -> Response:
+        model = {"model_name": self.state.base_model, "trainable": True, "sampleable": True}
         return JSONResponse({"supported_models": [model]})
 
-    async def create_session(request: Request) -> Response:
+    async def create_session(self, request: Request) -> Response:
         req = await parse(request, types.CreateSessionRequest)
         sid = f"session-{uuid.uuid4().hex[:16]}"
-        state.save_session(sid, {"tags": req.tags, "sdk_version": req.sdk_version, "owner": owner(request)})
+        self.state.save_session(sid, {"tags": req.tags, "sdk_version": req.sdk_version, "owner": self.owner(request)})
         return JSONResponse(types.CreateSessionResponse(session_id=sid).model_dump(mode="json"))
 
-    async def heartbeat(request: Request) -> Response:
+    async def heartbeat(self, request: Request) -> Response:
         req = await parse(request, types.SessionHeartbeatRequest)
-        state.check_owner(owner(request), req.session_id, "session")
-        if state.session(req.session_id) is None:
+        self.state.check_owner(self.owner(request), req.session_id, "session")
+        if self.state.session(req.session_id) is None:
             return error(404, f"unknown session {req.session_id!r}")
-        if "finished" in state.sessions[req.session_id]:
+        if "finished" in self.state.sessions[req.session_id]:
             return error(410, f"session {req.session_id!r} has finished")  # the SDK stops its heartbeat on 410
         return JSONResponse(types.SessionHeartbeatResponse().model_dump(mode="json"))
 
-    async def finish_session(request: Request) -> Response:
+    async def finish_session(self, request: Request) -> Response:
         """ServiceClient.close(status): the session ends (first reason wins) and its models are let go."""
         sid = request.path_params["session_id"]
-        state.check_owner(owner(request), sid, "session")
-        session = state.session(sid)
+        self.state.check_owner(self.owner(request), sid, "session")
+        session = self.state.session(sid)
         if session is None:
             return error(404, f"unknown session {sid!r}")
         body = json_object(await read_body(request), request.url.path)
         reason = body.get("reason")
         if "finished" not in session:
-            state.save_session(sid, {**session, "finished": reason.get("type") if isinstance(reason, dict) else None})
-        with state.lock:
-            for model_id in [m for m in state.runners if m.startswith(f"{sid}:")]:
-                state.runners.pop(model_id).stop()
-                state.models.pop(model_id, None)
+            self.state.save_session(
+                sid, {**session, "finished": reason.get("type") if isinstance(reason, dict) else None}
+            )
+        with self.state.lock:
+            for model_id in [m for m in self.state.runners if m.startswith(f"{sid}:")]:
+                self.state.runners.pop(model_id).stop()
+                self.state.models.pop(model_id, None)
         return JSONResponse({})
 
-    async def create_model(request: Request) -> Response:
+    async def create_model(self, request: Request) -> Response:
         from sluiceway.flows.tinker.model import TinkerModel
 
         req = await parse(request, types.CreateModelRequest)
-        state.check_owner(owner(request), req.session_id, "session")
-        if state.session(req.session_id) is None:
+        self.state.check_owner(self.owner(request), req.session_id, "session")
+        if self.state.session(req.session_id) is None:
             raise TinkerUserError(f"unknown session {req.session_id!r}")
-        if not state.matches_base(req.base_model):
+        if not self.state.matches_base(req.base_model):
             raise TinkerUserError(
-                f"base_model {req.base_model!r}: this server serves {state.base_model!r} (sluiceway tinker serve "
+                f"base_model {req.base_model!r}: this server serves {self.state.base_model!r} (sluiceway tinker serve "
                 "--base-model); one base model per server in this version"
             )
         if req.optimizer_config.type != "adamw":
@@ -330,42 +177,42 @@ def build_app(state: ServerState) -> Starlette:
         if lora is not None and not (lora.train_mlp and lora.train_attn and lora.train_unembed):
             raise not_implemented("LoRA on part of the layers (train_mlp/train_attn/train_unembed all True only)")
         model_id = f"{req.session_id}:train:{req.model_seq_id}"  # the id the SDK itself derives
-        with state.lock:
-            if model_id in state.runners:
+        with self.state.lock:
+            if model_id in self.state.runners:
                 raise TinkerUserError(f"model {model_id!r} exists already")
-            state.runners[model_id] = SequencedRunner(model_id)
+            self.state.runners[model_id] = SequencedRunner(model_id)
 
         def build() -> Result:
             rank = 0 if lora is None else lora.rank
-            m = TinkerModel(model_id, state.base_dir, rank, None if lora is None else lora.seed, state.device)
-            m.micro_batch_tokens = state.micro_batch_tokens
-            state.models[model_id] = m
-            state.update_training_run(model_id, base_model=req.base_model or state.base_model, lora_rank=rank,
+            m = TinkerModel(model_id, self.state.base_dir, rank, None if lora is None else lora.seed, self.state.device)
+            m.micro_batch_tokens = self.state.micro_batch_tokens
+            self.state.models[model_id] = m
+            self.state.update_training_run(model_id, base_model=req.base_model or self.state.base_model, lora_rank=rank,
                                       user_metadata=str_metadata(req.user_metadata), created_at=now_iso())  # fmt: skip
             log.info("tinker: created %s (%s)", model_id, f"LoRA rank {rank}" if rank else "full weights")
             return Result(json=types.CreateModelResponse(model_id=model_id).model_dump(mode="json"))
 
-        return future_response(submit(model_id, None, build, type="create_model"), model_id)
+        return future_response(self.submit(model_id, None, build, type="create_model"), model_id)
 
-    async def get_info(request: Request) -> Response:
+    async def get_info(self, request: Request) -> Response:
         req = await parse(request, types.GetInfoRequest)
-        state.check_owner(owner(request), req.model_id, "model_id")
-        m = state.model(req.model_id)
+        self.state.check_owner(self.owner(request), req.model_id, "model_id")
+        m = self.state.model(req.model_id)
         # The tokenizer is named by the local directory, so the SDK's get_tokenizer loads it offline; model_name
         # too, because a sampling client made by save_weights_and_get_sampling_client loads from the model name.
-        data = types.ModelData(arch="llama", model_name=str(state.base_dir), tokenizer_id=str(state.base_dir))
+        data = types.ModelData(arch="llama", model_name=str(self.state.base_dir), tokenizer_id=str(self.state.base_dir))
         info = types.GetInfoResponse(type="get_info", model_data=data, model_id=req.model_id,
                                      is_lora=m.lora_rank > 0, lora_rank=m.lora_rank or None,
-                                     model_name=str(state.base_dir))  # fmt: skip
+                                     model_name=str(self.state.base_dir))  # fmt: skip
         return JSONResponse(info.model_dump(mode="json", exclude_none=True))
 
-    async def forward_backward(request: Request) -> Response:
+    async def forward_backward(self, request: Request) -> Response:
         if PROTOBUF not in request.headers.get("content-type", ""):
             raise TinkerUserError("forward_backward takes a protobuf body (tinker>=0.25); this SDK sent JSON")
         body = inflate(await read_body(request), request.headers.get("content-encoding"))
         req = parse_forward_backward(body)
-        state.check_owner(owner(request), req.model_id, "model_id")
-        m = state.model(req.model_id)
+        self.state.check_owner(self.owner(request), req.model_id, "model_id")
+        m = self.state.model(req.model_id)
 
         def run() -> Result:
             outputs, metrics = m.forward_backward(req.data, req.loss_fn, req.loss_fn_config, req.forward_only)
@@ -374,12 +221,12 @@ def build_app(state: ServerState) -> Starlette:
         info = {"type": "forward" if req.forward_only else "forward_backward", "loss_fn": req.loss_fn,
                 "loss_fn_config": req.loss_fn_config or None, "num_datums": len(req.data),
                 "num_tokens": sum(len(d.tokens) for d in req.data)}  # fmt: skip
-        return future_response(submit(req.model_id, req.seq_id, run, **info), req.model_id)
+        return future_response(self.submit(req.model_id, req.seq_id, run, **info), req.model_id)
 
-    async def optim_step(request: Request) -> Response:
+    async def optim_step(self, request: Request) -> Response:
         req = await parse(request, types.OptimStepRequest)
-        state.check_owner(owner(request), req.model_id, "model_id")
-        m = state.model(req.model_id)
+        self.state.check_owner(self.owner(request), req.model_id, "model_id")
+        m = self.state.model(req.model_id)
         if not isinstance(req.optim_params, types.AdamParams):
             raise not_implemented(f"optimizer parameters of type {getattr(req.optim_params, 'type', '?')!r}")
         params = req.optim_params.model_dump()
@@ -390,68 +237,70 @@ def build_app(state: ServerState) -> Starlette:
             return Result(json=types.OptimStepResponse(metrics=metrics).model_dump(mode="json"),
                           summary={"metrics": metrics})  # fmt: skip
 
-        return future_response(submit(req.model_id, req.seq_id, run, type="optim_step"), req.model_id)
+        return future_response(self.submit(req.model_id, req.seq_id, run, type="optim_step"), req.model_id)
 
-    async def save_for_sampler(request: Request) -> Response:
+    async def save_for_sampler(self, request: Request) -> Response:
         req = await parse(request, types.SaveWeightsForSamplerRequest)
-        state.check_owner(owner(request), req.model_id, "model_id")
-        m = state.model(req.model_id)
+        self.state.check_owner(self.owner(request), req.model_id, "model_id")
+        m = self.state.model(req.model_id)
         if req.path is not None:
             check_name(req.path)  # it becomes part of a tinker:// path and a file name on the store
 
         def run() -> Result:
-            path = m.save_for_sampler(state.work_dir / "sampler_weights" / req.model_id.replace(":", "_"))
+            path = m.save_for_sampler(self.state.work_dir / "sampler_weights" / req.model_id.replace(":", "_"))
             out: dict[str, Any] = {"type": "save_weights_for_sampler"}
             if req.path is not None:  # a named save: a tinker:// path any client may sample from
                 tinker_path = f"tinker://{req.model_id}/sampler_weights/{req.path}"
-                state.save_sampler_dir(tinker_path, path)
-                state.update_training_run(req.model_id, last_sampler_checkpoint=checkpoint_record(
+                self.state.save_sampler_dir(tinker_path, path)
+                self.state.update_training_run(req.model_id, last_sampler_checkpoint=checkpoint_record(
                     tinker_path, req.user_metadata))  # fmt: skip
                 out["path"] = tinker_path
             else:  # save_weights_and_get_sampling_client: a sampling session on these weights
                 sid = f"sampler-{uuid.uuid4().hex[:16]}"
-                state.sampling_sessions[sid] = (path, None)
+                self.state.sampling_sessions[sid] = (path, None)
                 out["sampling_session_id"] = sid
             return Result(json=out)
 
-        return future_response(submit(req.model_id, req.seq_id, run, type="save_weights_for_sampler"), req.model_id)
+        return future_response(
+            self.submit(req.model_id, req.seq_id, run, type="save_weights_for_sampler"), req.model_id
+        )
 
-    def need_store(what: str) -> ObjectStore:
-        if state.store is None:
+    def need_store(self, what: str) -> ObjectStore:
+        if self.state.store is None:
             raise TinkerUserError(f"{what} needs a store: start the server with --store")
-        return state.store
+        return self.state.store
 
-    async def save_weights(request: Request) -> Response:
+    async def save_weights(self, request: Request) -> Response:
         """save_state: the trainer's checkpoint (weights and Adam's state) on the store, under
         tinker/<server_id>/weights/<model_id>/<name>/; answers its tinker://<model_id>/weights/<name> path."""
         from sluiceway.storage.tinker import state_info, upload_state
 
         req = await parse(request, types.SaveWeightsRequest)
-        state.check_owner(owner(request), req.model_id, "model_id")
-        m = state.model(req.model_id)
-        store = need_store("save_state")
+        self.state.check_owner(self.owner(request), req.model_id, "model_id")
+        m = self.state.model(req.model_id)
+        store = self.need_store("save_state")
         name = req.path or f"state-{uuid.uuid4().hex[:12]}"
         check_name(name)
 
         def run() -> Result:
-            if not req.overwrite and state_info(store, state.server_id, req.model_id, name) is not None:
+            if not req.overwrite and state_info(store, self.state.server_id, req.model_id, name) is not None:
                 raise TinkerUserError(f"a state named {name!r} was saved already for {req.model_id}; give another "
                                       "name or overwrite=True")  # fmt: skip
-            with tempfile.TemporaryDirectory(dir=state.work_dir) as tmp:
+            with tempfile.TemporaryDirectory(dir=self.state.work_dir) as tmp:
                 local = Path(tmp) / "state"
                 m.save_state(local)
-                info = {"base_model": state.base_model, "base_dir": str(state.base_dir), "lora_rank": m.lora_rank,
-                        "seed": m.seed, "steps": m.steps, "model_id": req.model_id, "optimizer": "adamw",
-                        "user_metadata": req.user_metadata}  # fmt: skip
-                upload_state(store, state.server_id, req.model_id, name, local, info)
+                info = {"base_model": self.state.base_model, "base_dir": str(self.state.base_dir),
+                        "lora_rank": m.lora_rank, "seed": m.seed, "steps": m.steps, "model_id": req.model_id,
+                        "optimizer": "adamw", "user_metadata": req.user_metadata}  # fmt: skip
+                upload_state(store, self.state.server_id, req.model_id, name, local, info)
             path = f"tinker://{req.model_id}/weights/{name}"
-            state.update_training_run(req.model_id, last_checkpoint=checkpoint_record(path, req.user_metadata))
+            self.state.update_training_run(req.model_id, last_checkpoint=checkpoint_record(path, req.user_metadata))
             log.info("tinker: saved %s (step %d)", path, m.steps)
             return Result(json=types.SaveWeightsResponse(path=path, type="save_weights").model_dump(mode="json"))
 
-        return future_response(submit(req.model_id, req.seq_id, run, type="save_weights"), req.model_id)
+        return future_response(self.submit(req.model_id, req.seq_id, run, type="save_weights"), req.model_id)
 
-    async def load_weights(request: Request) -> Response:
+    async def load_weights(self, request: Request) -> Response:
         """load_state / load_state_with_optimizer on an existing model (model_id + seq_id), or
         create_training_client_from_state(_with_optimizer): a new model made from the saved state (session_id +
         model_seq_id; its LoRA rank and base model are the checkpoint's)."""
@@ -459,55 +308,57 @@ def build_app(state: ServerState) -> Starlette:
         from sluiceway.storage.tinker import DamagedRecord, download_state, state_info
 
         req = await parse(request, types.LoadWeightsRequest)
-        store = need_store("load_state")
+        store = self.need_store("load_state")
         src_model, name = parse_state_path(req.path)
-        state.check_owner(owner(request), src_model, "state")
-        state.check_owner(owner(request), req.session_id or req.model_id or "", "session or model_id")
+        self.state.check_owner(self.owner(request), src_model, "state")
+        self.state.check_owner(self.owner(request), req.session_id or req.model_id or "", "session or model_id")
         if req.session_id is not None:  # create-via-load: the load is the new model's first request
-            if state.session(req.session_id) is None:
+            if self.state.session(req.session_id) is None:
                 raise TinkerUserError(f"unknown session {req.session_id!r}")
-            if not state.matches_base(req.base_model):
-                raise TinkerUserError(f"base_model {req.base_model!r}: this server serves {state.base_model!r}")
+            if not self.state.matches_base(req.base_model):
+                raise TinkerUserError(f"base_model {req.base_model!r}: this server serves {self.state.base_model!r}")
             if req.optimizer_config is not None and req.optimizer_config.type != "adamw":
                 raise not_implemented(f"the optimizer {req.optimizer_config.type!r} (only adamw)")
             model_id = f"{req.session_id}:train:{req.model_seq_id}"
-            with state.lock:
-                if model_id in state.runners:
+            with self.state.lock:
+                if model_id in self.state.runners:
                     raise TinkerUserError(f"model {model_id!r} exists already")
-                state.runners[model_id] = SequencedRunner(model_id)
+                self.state.runners[model_id] = SequencedRunner(model_id)
         else:
             if req.model_id is None:
                 raise TinkerUserError("load_weights needs model_id or session_id")
             model_id = req.model_id
-            state.model(model_id)
+            self.state.model(model_id)
 
         def run() -> Result:
             try:
-                return load(state_info(store, state.server_id, src_model, name))
+                return load(state_info(store, self.state.server_id, src_model, name))
             except DamagedRecord as e:  # its tinker:// path and place on the store, not a JSON error or a tmp dir
                 raise TinkerUserError(str(e)) from None
 
         def load(info: dict | None) -> Result:
             if info is None:
                 raise TinkerUserError(f"{req.path}: no state saved under this name on this server's store "
-                                      f"({state.server_id})")  # fmt: skip
-            if not (state.matches_base(info["base_model"]) or info.get("base_dir") == str(state.base_dir)):
+                                      f"({self.state.server_id})")  # fmt: skip
+            if not (self.state.matches_base(info["base_model"]) or info.get("base_dir") == str(self.state.base_dir)):
                 raise TinkerUserError(f"{req.path} was trained on {info['base_model']!r}; this server serves "
-                                      f"{state.base_model!r}")  # fmt: skip
-            m = state.models.get(model_id)
+                                      f"{self.state.base_model!r}")  # fmt: skip
+            m = self.state.models.get(model_id)
             if m is not None and m.lora_rank != info["lora_rank"]:
                 raise TinkerUserError(f"{req.path} has LoRA rank {info['lora_rank']}; this model has {m.lora_rank}")
-            with tempfile.TemporaryDirectory(dir=state.work_dir) as tmp:
+            with tempfile.TemporaryDirectory(dir=self.state.work_dir) as tmp:
                 local = Path(tmp) / "state"
-                download_state(store, state.server_id, src_model, name, local)
+                download_state(store, self.state.server_id, src_model, name, local)
                 created = m is None
                 if created:
-                    m = TinkerModel(model_id, state.base_dir, info["lora_rank"], info.get("seed"), state.device)
-                    m.micro_batch_tokens = state.micro_batch_tokens
+                    m = TinkerModel(
+                        model_id, self.state.base_dir, info["lora_rank"], info.get("seed"), self.state.device
+                    )
+                    m.micro_batch_tokens = self.state.micro_batch_tokens
                 m.load_state(local, req.optimizer)
-            state.models[model_id] = m
+            self.state.models[model_id] = m
             if created:  # a training run of its own, made from the state (as create_model makes one)
-                state.update_training_run(model_id, base_model=req.base_model or info["base_model"],
+                self.state.update_training_run(model_id, base_model=req.base_model or info["base_model"],
                                           lora_rank=info["lora_rank"], user_metadata=str_metadata(req.user_metadata),
                                           created_at=now_iso(), loaded_from=req.path)  # fmt: skip
             log.info("tinker: loaded %s into %s (step %d, optimizer %s)", req.path, model_id, m.steps, req.optimizer)
@@ -515,72 +366,72 @@ def build_app(state: ServerState) -> Starlette:
             return Result(json=body.model_dump(mode="json", exclude_none=True))
 
         seq = req.seq_id if req.session_id is None else None
-        return future_response(submit(model_id, seq, run, type="load_weights"), model_id)
+        return future_response(self.submit(model_id, seq, run, type="load_weights"), model_id)
 
-    async def create_sampling_session(request: Request) -> Response:
+    async def create_sampling_session(self, request: Request) -> Response:
         req = await parse(request, types.CreateSamplingSessionRequest)
-        state.check_owner(owner(request), req.session_id, "session")
+        self.state.check_owner(self.owner(request), req.session_id, "session")
         if req.model_path is not None:
-            state.check_owner(owner(request), req.model_path, "model_path")
-            path = state.sampler_dir(req.model_path)
-        elif state.matches_base(req.base_model):
-            path = state.base_dir
+            self.state.check_owner(self.owner(request), req.model_path, "model_path")
+            path = self.state.sampler_dir(req.model_path)
+        elif self.state.matches_base(req.base_model):
+            path = self.state.base_dir
         else:
-            raise TinkerUserError(f"base_model {req.base_model!r}: this server serves {state.base_model!r}")
+            raise TinkerUserError(f"base_model {req.base_model!r}: this server serves {self.state.base_model!r}")
         sid = f"sampler-{uuid.uuid4().hex[:16]}"
-        state.sampling_sessions[sid] = (path, req.model_path)
-        state.own(sid, owner(request))
+        self.state.sampling_sessions[sid] = (path, req.model_path)
+        self.state.own(sid, self.owner(request))
         return JSONResponse(types.CreateSamplingSessionResponse(sampling_session_id=sid).model_dump(mode="json"))
 
-    async def get_sampler(request: Request) -> Response:
+    async def get_sampler(self, request: Request) -> Response:
         sid = request.path_params["sampler_id"]
-        state.check_item(owner(request), sid, "sampler")
-        if sid not in state.sampling_sessions:
+        self.state.check_item(self.owner(request), sid, "sampler")
+        if sid not in self.state.sampling_sessions:
             return error(404, f"unknown sampler {sid!r}")
-        _, model_path = state.sampling_sessions[sid]
+        _, model_path = self.state.sampling_sessions[sid]
         # base_model is the local directory: the SDK's SamplingClient.get_tokenizer loads it by this name.
-        body = types.GetSamplerResponse(sampler_id=sid, base_model=str(state.base_dir), model_path=model_path)
+        body = types.GetSamplerResponse(sampler_id=sid, base_model=str(self.state.base_dir), model_path=model_path)
         return JSONResponse(body.model_dump(mode="json", exclude_none=True))
 
-    async def asample(request: Request) -> Response:
+    async def asample(self, request: Request) -> Response:
         body = json_object(await read_body(request), request.url.path)
         req = await parse_json(request, body, types.SampleRequest)
         check_sample_sizes(req.num_samples, req.sampling_params.max_tokens if req.sampling_params else None)
         if req.sampling_session_id is not None:
-            state.check_item(owner(request), req.sampling_session_id, "sampling_session_id")
-            if req.sampling_session_id not in state.sampling_sessions:
+            self.state.check_item(self.owner(request), req.sampling_session_id, "sampling_session_id")
+            if req.sampling_session_id not in self.state.sampling_sessions:
                 raise TinkerUserError(f"unknown sampling_session_id {req.sampling_session_id!r}")
-            model_dir, sampler_path = state.sampling_sessions[req.sampling_session_id]
+            model_dir, sampler_path = self.state.sampling_sessions[req.sampling_session_id]
         elif req.model_path is not None:
-            state.check_owner(owner(request), req.model_path, "model_path")
-            model_dir, sampler_path = state.sampler_dir(req.model_path), req.model_path
-        elif state.matches_base(req.base_model):
-            model_dir, sampler_path = state.base_dir, None
+            self.state.check_owner(self.owner(request), req.model_path, "model_path")
+            model_dir, sampler_path = self.state.sampler_dir(req.model_path), req.model_path
+        elif self.state.matches_base(req.base_model):
+            model_dir, sampler_path = self.state.base_dir, None
         else:
-            raise TinkerUserError(f"base_model {req.base_model!r}: this server serves {state.base_model!r}")
+            raise TinkerUserError(f"base_model {req.base_model!r}: this server serves {self.state.base_model!r}")
         prompt_len = req.prompt.length if req.prompt is not None else 0
-        rid = state.futures.new(type="asample", num_datums=req.num_samples)
-        state.own(rid, owner(request))
+        rid = self.state.futures.new(type="asample", num_datums=req.num_samples)
+        self.state.own(rid, self.owner(request))
 
         def run() -> Result:
-            seqs, prompt_lps = state.samplers.sample(model_dir, body)
-            where = sampler_path or (state.base_model if model_dir == state.base_dir else str(model_dir))
+            seqs, prompt_lps = self.state.samplers.sample(model_dir, body)
+            where = sampler_path or (self.state.base_model if model_dir == self.state.base_dir else str(model_dir))
             rows = sample_rows(rid, body, seqs, req.sampling_session_id, where)
             summary = {"num_tokens": prompt_len + sum(len(s.tokens) for s in seqs)}
             return Result(proto=sample_response(seqs, prompt_lps), summary=summary, samples=rows)
 
-        state.pool.submit(state.futures.run, rid, run)
+        self.state.pool.submit(self.state.futures.run, rid, run)
         ids = [f"{rid}:{i}" for i in range(req.num_samples)]
         return future_response(rid, sample_sequence_ids=ids)
 
-    async def retrieve_future(request: Request) -> Response:
+    async def retrieve_future(self, request: Request) -> Response:
         req = await parse(request, types.FutureRetrieveRequest)
-        state.check_item(owner(request), req.request_id, "request_id")
-        if not state.futures.known(req.request_id):
+        self.state.check_item(self.owner(request), req.request_id, "request_id")
+        if not self.state.futures.known(req.request_id):
             # 404 is final for the SDK. With a store, a request finished before a restart is known (its result
             # was written before it was answered); one still running when the server died is not.
             return error(404, f"unknown request_id {req.request_id!r}")
-        result = await asyncio.to_thread(state.futures.wait, req.request_id, POLL_WAIT_S)
+        result = await asyncio.to_thread(self.state.futures.wait, req.request_id, POLL_WAIT_S)
         if result is None:
             return JSONResponse({"type": "try_again", "request_id": req.request_id, "queue_state": "active"})
         body = result.body()
@@ -588,33 +439,33 @@ def build_app(state: ServerState) -> Starlette:
             return Response(body, media_type=PROTOBUF)
         return JSONResponse(body)
 
-    async def get_training_run(request: Request) -> Response:
+    async def get_training_run(self, request: Request) -> Response:
         """RestClient.get_training_run(_by_tinker_path): the cookbook reads the renderer name its recipes put in
         the user_metadata of create_model back from here before it resumes or loads a checkpoint."""
         run_id = request.path_params["run_id"]
         try:
-            state.check_owner(owner(request), run_id, "training run")
+            self.state.check_owner(self.owner(request), run_id, "training run")
         except NotFound as e:
             return error(404, str(e))
-        record = await asyncio.to_thread(state.training_run, run_id)
+        record = await asyncio.to_thread(self.state.training_run, run_id)
         if record is None:
             return error(404, f"unknown training run {run_id!r} (a model id of this server)")
         updated = _dt.datetime.fromisoformat(record["updated_at"])
         rank = int(record.get("lora_rank") or 0)
         body = types.TrainingRun(
             training_run_id=run_id,
-            base_model=record.get("base_model") or state.base_model,
+            base_model=record.get("base_model") or self.state.base_model,
             model_owner="local",  # keys, when the server has them, are not accounts: no owner name to give
             is_lora=rank > 0,
             lora_rank=rank or None,
-            last_request_time=max(updated, state.last_request.get(run_id, updated)),
+            last_request_time=max(updated, self.state.last_request.get(run_id, updated)),
             last_checkpoint=record.get("last_checkpoint"),
             last_sampler_checkpoint=record.get("last_sampler_checkpoint"),
             user_metadata=record.get("user_metadata"),
         )
         return JSONResponse(body.model_dump(mode="json"))
 
-    async def delete_checkpoint(request: Request) -> Response:
+    async def delete_checkpoint(self, request: Request) -> Response:
         """RestClient.delete_checkpoint(_from_tinker_path): a saved state leaves the store, a sampler path its
         directory (the cookbook's rolling checkpoints delete the one before). A request row either way."""
         from sluiceway.storage.tinker import delete_state
@@ -622,32 +473,32 @@ def build_app(state: ServerState) -> Starlette:
         run_id, kind, name = (request.path_params[k] for k in ("run_id", "kind", "name"))
         tinker_path = f"tinker://{run_id}/{kind}/{name}"
         try:
-            state.check_owner(owner(request), run_id, "training run")
+            self.state.check_owner(self.owner(request), run_id, "training run")
         except NotFound as e:
             return error(404, str(e))
 
         def run() -> Result:
             if kind == "weights":
                 model_id, state_name = parse_state_path(tinker_path)
-                if not delete_state(need_store("delete_checkpoint"), state.server_id, model_id, state_name):
+                if not delete_state(self.need_store("delete_checkpoint"), self.state.server_id, model_id, state_name):
                     raise TinkerUserError(f"no checkpoint {tinker_path} on this server's store")
-            elif kind != "sampler_weights" or not state.delete_sampler_dir(tinker_path):
+            elif kind != "sampler_weights" or not self.state.delete_sampler_dir(tinker_path):
                 raise TinkerUserError(f"no checkpoint {tinker_path} on this server")
-            record = state.training_run(run_id) or {}
+            record = self.state.training_run(run_id) or {}
             for key in ("last_checkpoint", "last_sampler_checkpoint"):
                 if (record.get(key) or {}).get("tinker_path") == tinker_path:
-                    state.update_training_run(run_id, **{key: None})
+                    self.state.update_training_run(run_id, **{key: None})
             log.info("tinker: deleted %s", tinker_path)
             return Result(json={})
 
-        rid = state.futures.new(type="delete_checkpoint", model_id=run_id if MODEL_ID.match(run_id) else None)
-        await asyncio.to_thread(state.futures.run, rid, run)
-        result = state.futures.wait(rid, 0)
+        rid = self.state.futures.new(type="delete_checkpoint", model_id=run_id if MODEL_ID.match(run_id) else None)
+        await asyncio.to_thread(self.state.futures.run, rid, run)
+        result = self.state.futures.wait(rid, 0)
         if result.error is not None:
             return error(404 if result.category == "user" else 500, result.error)
         return JSONResponse({})
 
-    def not_implemented_future(route: str, what: str):
+    def not_implemented_future(self, route: str, what: str):
         async def handler(request: Request) -> Response:
             try:
                 body = json_object(await read_body(request), request.url.path)
@@ -656,22 +507,22 @@ def build_app(state: ServerState) -> Starlette:
             model_id, seq_id = body.get("model_id"), body.get("seq_id")
             if not isinstance(model_id, str | None) or not isinstance(seq_id, int | None):
                 return error(400, f"{request.url.path}: model_id must be a string and seq_id an integer")
-            mine = model_id is None or state.keys is None or (state.session(session_of(model_id)) or {}).get(
-                "owner") == owner(request)  # fmt: skip
-            if mine and model_id in state.runners and seq_id is not None:
+            mine = model_id is None or self.state.keys is None or (self.state.session(session_of(model_id)) or {}).get(
+                "owner") == self.owner(request)  # fmt: skip
+            if mine and model_id in self.state.runners and seq_id is not None:
                 # Through the model's runner, so its seq_id counts as done and the next request does not wait.
                 fail = lambda: (_ for _ in ()).throw(not_implemented(what))  # noqa: E731
-                return future_response(submit(model_id, seq_id, fail, type=route))
-            return failed_future(not_implemented(what), owner(request), type=route, model_id=model_id if mine else None,
-                                 seq_id=seq_id)  # fmt: skip
+                return future_response(self.submit(model_id, seq_id, fail, type=route))
+            return self.failed_future(not_implemented(what), self.owner(request), type=route,
+                                      model_id=model_id if mine else None, seq_id=seq_id)  # fmt: skip
 
         return handler
 
-    async def fallback(request: Request) -> Response:
+    async def fallback(self, request: Request) -> Response:
         return error(404, f"sluiceway's Tinker server does not implement {request.method} {request.url.path} yet "
                           "(docs/tinker.md lists what it does)")  # fmt: skip
 
-    def guarded(fn):
+    def guarded(self, fn):
         """A user's mistake raised while parsing answers 400 with its message (the SDK shows it, no retry); with a
         store it is a request row too (status error, its request_id one of its own that nobody polls)."""
 
@@ -679,122 +530,45 @@ def build_app(state: ServerState) -> Starlette:
             try:
                 return await fn(request)
             except TinkerUserError as e:
-                if state.futures.journal is not None:
-                    rid = state.futures.new(type=request.url.path.rsplit("/", 1)[-1])
-                    await asyncio.to_thread(state.futures.finish, rid, Result(error=str(e), category="user"))
+                if self.state.futures.journal is not None:
+                    rid = self.state.futures.new(type=request.url.path.rsplit("/", 1)[-1])
+                    await asyncio.to_thread(self.state.futures.finish, rid, Result(error=str(e), category="user"))
                 return error(getattr(e, "status", 400), str(e))
 
         return handler
 
+
+def build_app(state: ServerState) -> Starlette:
+    api = TinkerApi(state)
     post = {
-        "client/config": client_config,
-        "client/dynamic_config": dynamic_config,
-        "create_session": create_session,
-        "session_heartbeat": heartbeat,
-        "create_model": create_model,
-        "get_info": get_info,
-        "forward_backward": forward_backward,
-        "optim_step": optim_step,
-        "save_weights_for_sampler": save_for_sampler,
-        "save_weights": save_weights,
-        "load_weights": load_weights,
-        "create_sampling_session": create_sampling_session,
-        "asample": asample,
-        "retrieve_future": retrieve_future,
+        "client/config": api.client_config,
+        "client/dynamic_config": api.dynamic_config,
+        "create_session": api.create_session,
+        "session_heartbeat": api.heartbeat,
+        "create_model": api.create_model,
+        "get_info": api.get_info,
+        "forward_backward": api.forward_backward,
+        "optim_step": api.optim_step,
+        "save_weights_for_sampler": api.save_for_sampler,
+        "save_weights": api.save_weights,
+        "load_weights": api.load_weights,
+        "create_sampling_session": api.create_sampling_session,
+        "asample": api.asample,
+        "retrieve_future": api.retrieve_future,
     }
-    routes = [Route(f"/api/v1/{p}", guarded(fn), methods=["POST"]) for p, fn in post.items()]
-    routes += [Route(f"/api/v1/{p}", not_implemented_future(p, what), methods=["POST"])
+    routes = [Route(f"/api/v1/{p}", api.guarded(fn), methods=["POST"]) for p, fn in post.items()]
+    routes += [Route(f"/api/v1/{p}", api.not_implemented_future(p, what), methods=["POST"])
                for p, what in FUTURE_ROUTES_NOT_IMPLEMENTED.items()]  # fmt: skip
     routes += [
-        Route("/api/v1/healthz", healthz, methods=["GET"]),
-        Route("/api/v1/get_server_capabilities", capabilities, methods=["GET"]),
-        Route("/api/v1/samplers/{sampler_id}", guarded(get_sampler), methods=["GET"]),
-        Route("/api/v1/sessions/{session_id}/finish", guarded(finish_session), methods=["POST"]),
-        Route("/api/v1/training_runs/{run_id}", get_training_run, methods=["GET"]),
-        Route("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}", delete_checkpoint, methods=["DELETE"]),
-        Route("/{rest:path}", fallback, methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
+        Route("/api/v1/healthz", api.healthz, methods=["GET"]),
+        Route("/api/v1/get_server_capabilities", api.capabilities, methods=["GET"]),
+        Route("/api/v1/samplers/{sampler_id}", api.guarded(api.get_sampler), methods=["GET"]),
+        Route("/api/v1/sessions/{session_id}/finish", api.guarded(api.finish_session), methods=["POST"]),
+        Route("/api/v1/training_runs/{run_id}", api.get_training_run, methods=["GET"]),
+        Route("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}", api.delete_checkpoint, methods=["DELETE"]),
+        Route("/{rest:path}", api.fallback, methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
     ]
-    return Starlette(routes=routes, middleware=[Middleware(BaseHTTPMiddleware, dispatch=authenticate)])
-
-
-def sampler_key(tinker_path: str) -> str:
-    """A file name for a sampler path (any string the client sends: hashed, never a path of its own)."""
-    import hashlib
-
-    return hashlib.sha256(tinker_path.encode()).hexdigest()[:32] + ".json"
-
-
-MODEL_ID = re.compile(r"^[A-Za-z0-9_:\-]+$")  # a model id as this server makes them (session-<hex>:train:<n>)
-
-
-def now_iso() -> str:
-    return _dt.datetime.now(_dt.UTC).isoformat()
-
-
-def str_metadata(metadata: dict | None) -> dict[str, str] | None:
-    """The user_metadata of a create_model or load (values of any JSON type) as a TrainingRun carries it
-    (strings): a value that is not a string is kept as its JSON."""
-    import json
-
-    if not metadata:
-        return None
-    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
-
-
-def checkpoint_record(tinker_path: str, user_metadata: dict | None) -> dict:
-    """A saved checkpoint as the SDK's `Checkpoint` (JSON); ttl_seconds is ignored, so it never expires."""
-    parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path)
-    return types.Checkpoint(checkpoint_id=parsed.checkpoint_id, checkpoint_type=parsed.checkpoint_type,
-                            time=_dt.datetime.now(_dt.UTC), tinker_path=tinker_path,
-                            user_metadata=user_metadata).model_dump(mode="json")  # fmt: skip
-
-
-STATE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
-
-
-def check_name(name: str) -> None:
-    if not STATE_NAME.match(name):
-        raise TinkerUserError(f"state name {name!r}: letters, digits, '_', '-' and '.' only (not first), at most 200")
-
-
-def parse_state_path(path: str) -> tuple[str, str]:
-    """tinker://<model_id>/weights/<name> -> (model_id, name)."""
-    parts = path.removeprefix("tinker://").split("/")
-    if not path.startswith("tinker://") or len(parts) != 3 or parts[1] != "weights":
-        raise TinkerUserError(f"{path!r} is not a saved state's path (tinker://<model_id>/weights/<name>, what "
-                              "save_state returned)")  # fmt: skip
-    if not MODEL_ID.match(parts[0]):
-        raise TinkerUserError(f"{path!r}: not a model id of this server")
-    check_name(parts[2])
-    return parts[0], parts[2]
-
-
-def sample_rows(rid: str, body: dict, seqs: list, sampling_session_id: str | None, sampler_path: str) -> list[dict]:
-    """One `tinker_samples` row per sampled sequence (storage/tinker.py)."""
-    from sluiceway.flows.tinker.sampler import DEFAULT_MAX_TOKENS, prompt_tokens
-
-    params = body.get("sampling_params") or {}
-    prompt = prompt_tokens(body.get("prompt") or {})
-    seed = params.get("seed")
-    return [
-        {
-            "request_id": rid,
-            "sequence_id": f"{rid}:{i}",
-            "sample_index": i,
-            "sampling_session_id": sampling_session_id,
-            "sampler_path": sampler_path,
-            "prompt_token_ids": prompt,
-            "output_token_ids": list(s.tokens),
-            "logprobs": list(s.logprobs),
-            "stop_reason": s.stop_reason,
-            "seed": None if seed is None else int(seed) + i,
-            "temperature": float(params.get("temperature", 1.0)),
-            "top_p": float(params.get("top_p", 1.0)),
-            "top_k": int(params.get("top_k", -1)),
-            "max_tokens": int(params.get("max_tokens") or DEFAULT_MAX_TOKENS),
-        }  # fmt: skip
-        for i, s in enumerate(seqs)
-    ]
+    return Starlette(routes=routes, middleware=[Middleware(BaseHTTPMiddleware, dispatch=api.authenticate)])
 
 
 async def parse_json(request: Request, body: dict, model: type) -> Any:

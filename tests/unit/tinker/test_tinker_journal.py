@@ -56,7 +56,7 @@ def test_results_and_rows_outlive_the_store_object(tmp_path):
 
 
 def test_saved_state_round_trip_and_paths(tmp_path):
-    from sluiceway.flows.tinker.app import parse_state_path
+    from sluiceway.flows.tinker.server_state import parse_state_path
     from sluiceway.storage.digests import file_digests
     from sluiceway.storage.tinker import DamagedRecord, download_state, state_info, upload_state
 
@@ -91,7 +91,8 @@ def test_refused_requests_are_rows_and_sessions_outlive_the_app(tmp_path):
 
     from starlette.testclient import TestClient
 
-    from sluiceway.flows.tinker.app import ServerState, build_app
+    from sluiceway.flows.tinker.app import build_app
+    from sluiceway.flows.tinker.server_state import ServerState
 
     store = ObjectStore.from_uri(str(tmp_path / "store"))
 
@@ -123,7 +124,8 @@ def test_training_runs_and_checkpoint_deletes_outlive_the_app(tmp_path):
 
     from starlette.testclient import TestClient
 
-    from sluiceway.flows.tinker.app import ServerState, build_app, checkpoint_record
+    from sluiceway.flows.tinker.app import build_app
+    from sluiceway.flows.tinker.server_state import ServerState, checkpoint_record
     from sluiceway.storage.digests import file_digests
     from sluiceway.storage.tinker import state_info, upload_state
 
