@@ -44,7 +44,7 @@ from sluiceway.infra.errors import UserError
 from sluiceway.tasks.rollout.generation import GenerationDefaults
 from sluiceway.tasks.rollout.slime_plugins import provide_slime_names
 from sluiceway.tasks.rollout.slime_plugins.args import router_of, set_router
-from sluiceway.tasks.rollout.slime_plugins.worker import SlimeCalls, plugin_worker, status_value
+from sluiceway.tasks.rollout.slime_plugins.worker import SlimeCalls, crossable, plugin_worker, status_value
 
 FINISH = {"completed": "stop", "truncated": "length", "aborted": "abort"}
 # Sample fields the row's own columns hold: not repeated in its metadata
@@ -253,8 +253,9 @@ class SlimeGenerate:
             now = vars(args)
             changes = {k: v for k, v in now.items() if k not in self._sent or self._sent[k] is not v}
             self._sent.update(changes)
+            changes = crossable(changes)
         else:
-            changes = dict(vars(args))
+            changes = crossable(vars(args))
         out, back = await self.worker.call((changes, own, sample, sampling_params))
         if own:
             for k, v in back.items():

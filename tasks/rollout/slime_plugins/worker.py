@@ -16,6 +16,7 @@ args, where the reward and filter hooks read them.
 from __future__ import annotations
 
 import inspect
+import pickle
 from argparse import Namespace
 from typing import Any
 
@@ -28,7 +29,7 @@ BLOCKED_AT_MOST_S = 300.0
 def plugin_worker(path: str, args: Namespace, timeout_s: float) -> IsolatingWorker:
     blocked = min(BLOCKED_AT_MOST_S, max(10.0, timeout_s / 3))
     # a worker starting (the first, or one after a worker ended) gets the run's args as they are then
-    return IsolatingWorker(f"{__name__}:SlimeHandler", lambda: (path, dict(vars(args))),
+    return IsolatingWorker(f"{__name__}:SlimeHandler", lambda: (path, crossable(vars(args))),
                            f"the worker process of {path}", blocked)  # fmt: skip
 
 
@@ -51,7 +52,20 @@ class SlimeHandler:
         before = dict(vars(self.args))
         out = await self.calls.generate(self.args, sample, sampling_params)
         missing = object()
-        return out, {k: v for k, v in vars(self.args).items() if before.get(k, missing) is not v}
+        return out, crossable({k: v for k, v in vars(self.args).items() if before.get(k, missing) is not v})
+
+
+def crossable(attrs: dict) -> dict:
+    """The attributes whose values can cross between the processes (pickle): a client, a lock or an open file a
+    plugin keeps on `args` stays in the process that set it, rather than failing the call that would carry it."""
+    out = {}
+    for k, v in attrs.items():
+        try:
+            pickle.dumps(v)
+        except Exception:  # noqa: BLE001 - whatever pickle refuses stays where it is
+            continue
+        out[k] = v
+    return out
 
 
 def status_value(status: Any) -> str:

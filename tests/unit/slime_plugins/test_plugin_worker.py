@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import textwrap
+import threading
 
 from test_plugin_hooks import args_ns
 
@@ -16,12 +17,13 @@ from sluiceway.tasks.rollout.slime_plugins.generate import SlimeGenerate
 from sluiceway.tasks.rollout.slime_plugins.worker import plugin_worker
 
 PLUGIN = """
-import asyncio, os, time
+import asyncio, os, threading, time
 from slime.utils.types import Sample
 
 async def generate(args, sample, sampling_params):
     args.calls_seen = getattr(args, "calls_seen", 0) + 1
     args.worker_pid = os.getpid()
+    args.http_lock = threading.Lock()  # a value that cannot cross: it stays in the worker, the call goes on
     await asyncio.sleep(0.5)  # every sample is in the shared worker when the misbehaving ones strike
     if sample.index % 4 == 1:
         os._exit(3)
@@ -47,6 +49,7 @@ def test_an_exit_or_a_blocked_loop_costs_its_own_sample_only(tmp_path, monkeypat
     (tmp_path / "plug.py").write_text(textwrap.dedent(PLUGIN))
     path = f"{tmp_path / 'plug.py'}:generate"
     args = args_ns(tmp_path)
+    args.run_side_lock = threading.Lock()  # set on the run's args by a hook: it cannot cross, the worker starts
     worker = plugin_worker(path, args, timeout_s=30.0)  # a loop silent for 10 s is called blocked
     from sluiceway.tasks.rollout.slime_plugins.convention import load_plugin
 
@@ -77,3 +80,4 @@ def test_an_exit_or_a_blocked_loop_costs_its_own_sample_only(tmp_path, monkeypat
     # what the plugin set reached the run's args (each call alone counted on from them), and the next shared
     # worker started from them
     assert seen[0] >= 1 and args.calls_seen == seen[0] + 1 and args.worker_pid != os.getpid()
+    assert not hasattr(args, "http_lock")
