@@ -75,7 +75,8 @@ def child_trainer(precision: str) -> dict:
 def child_engine(precision: str) -> dict:
     import torch
 
-    from sluiceway.models.engine.core import Engine, GenerateRequest, SamplingParams
+    from sluiceway.models.engine.calls import GenerateRequest, SamplingParams
+    from sluiceway.models.engine.core import Engine
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     engine = Engine(_model(), dtype=dtype, max_running_requests=64, max_total_len=64, load_tokenizer=False)

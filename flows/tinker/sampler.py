@@ -55,7 +55,7 @@ class Samplers:
 
     def sample(self, model_dir: Path, request: dict) -> tuple[list[SequenceOut], list[float | None] | None]:
         """A SampleRequest (its JSON, as the SDK sends it) -> the sequences and, if asked, the prompt's log-probs."""
-        from sluiceway.models.engine.core import EngineError, GenerateRequest
+        from sluiceway.models.engine.calls import EngineError, GenerateRequest
 
         for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
             if request.get(name):
@@ -98,7 +98,7 @@ def prompt_tokens(model_input: dict) -> list[int]:
 def engine_sampling(params: dict, index: int):
     """Tinker's SamplingParams as the engine's: `stop` strings or token ids (None keeps EOS; [] disables every
     stop, EOS included); sample `index` of a request gets seed + index, so the samples differ but repeat."""
-    from sluiceway.models.engine.core import SamplingParams
+    from sluiceway.models.engine.calls import SamplingParams
 
     stop = params.get("stop")
     sp = SamplingParams(

@@ -1,7 +1,6 @@
 """The embedded rollout engine: continuous batching on CPU (or one GPU) behind SGLang's native HTTP API."""
 
-from sluiceway.models.engine.core import (
-    Engine,
+from sluiceway.models.engine.calls import (
     EngineError,
     GenerateOutput,
     GenerateRequest,
@@ -9,6 +8,7 @@ from sluiceway.models.engine.core import (
     SamplingParams,
     StreamChunk,
 )
+from sluiceway.models.engine.core import Engine
 
 __all__ = [
     "Engine",

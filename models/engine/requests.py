@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 from sluiceway.infra.weight_pin import PIN_LABELS, WEIGHT_VERSION_MISMATCH
-from sluiceway.models.engine.core import SamplingParams
+from sluiceway.models.engine.calls import SamplingParams
 
 # SGLang sampling fields implemented here (types checked below).
 _SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {

@@ -35,14 +35,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from sluiceway.models.engine.core import (
-    Engine,
+from sluiceway.models.engine.calls import (
     EngineError,
     GenerateOutput,
     GenerateRequest,
     SamplingParams,
     StreamChunk,
 )
+from sluiceway.models.engine.core import Engine
 from sluiceway.models.engine.requests import (
     GENERATE_DEFAULT_ONLY,
     GENERATE_FIELDS,

@@ -73,7 +73,7 @@ def test_adapter_version_serves_as_the_merged_model(model_dir, tmp_path):
 
 
 def test_an_adapter_that_does_not_fit_leaves_the_weights_serving(model_dir, tmp_path):
-    from sluiceway.models.engine.core import EngineError
+    from sluiceway.models.engine.calls import EngineError
 
     adapter = random_adapter(model_dir, 1)
     adapter["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"] = torch.zeros(3, 8)

@@ -23,7 +23,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from sluiceway.flows.config import AlgorithmConfig, TrainingConfig
-from sluiceway.models.engine.core import Engine, GenerateRequest, SamplingParams
+from sluiceway.models.engine.calls import GenerateRequest, SamplingParams
+from sluiceway.models.engine.core import Engine
 from sluiceway.tasks.train.collation import collate
 from sluiceway.tasks.train.samples import TrainSample
 from sluiceway.tasks.train.trainer import PolicyTrainer
