@@ -39,7 +39,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--steps", type=int, default=1)
-    p.add_argument("--micro-batch-tokens", type=int, default=None, help="the server's (default its own: 4096)")
+    p.add_argument("--micro-batch-tokens", type=int, default=None, help="the server's (default its own: 1024)")
     p.add_argument("--write-doc", action="store_true")
     args = p.parse_args()
 
@@ -80,7 +80,7 @@ def main() -> None:
         server.terminate()
         server.wait(timeout=60)
     line = (f"{args.steps} step(s) of {cli.batch_size} x {cli.group_size} episodes: {wall:.0f} s, the server's peak "
-            f"resident memory {peak / GIB:.2f} GiB (micro-batches of {args.micro_batch_tokens or 4096} token "
+            f"resident memory {peak / GIB:.2f} GiB (micro-batches of {args.micro_batch_tokens or 1024} token "
             "positions)")  # fmt: skip
     print(line)
     if args.write_doc:

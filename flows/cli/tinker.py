@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="token positions (datums x their longest) a forward_backward holds at once: memory against "
-                        "speed (default 4096)")  # fmt: skip
+                        "speed (default 1024)")  # fmt: skip
     s.add_argument("--work-dir", default=".sluiceway/tinker", help="where saved sampler weights are written")
     s.add_argument("--device", default="cpu", help="the trainer's device: cpu or cuda")
     s.add_argument("--store", default=None,

@@ -23,8 +23,9 @@ from sluiceway.flows.tinker.wire import DatumIn
 
 # Token positions (datums x their longest, padded) one micro-batch of a forward_backward holds: its activations and
 # graph are freed before the next, so a cookbook batch of 256 episodes takes a few GB instead of all of them at once
-# (issue 52: tinker-cookbook's guess_number on SmolLM2 reached 23 GB).
-MICRO_BATCH_TOKENS = 4096
+# (issue 52: tinker-cookbook's guess_number on SmolLM2 reached 23 GB). SmolLM2-135M, LoRA 32, 16 datums of 800
+# tokens: the server's peak 8.2 GB at 4096 positions, 2.6 GB at 1024 (docs/benchmarks.md, "Tinker server memory").
+MICRO_BATCH_TOKENS = 1024
 
 
 def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:

@@ -48,7 +48,7 @@ class ServerState:
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(16, thread_name_prefix="tinker"))
     samplers: Any = None
     keys: frozenset[str] | None = None  # digests of --api-keys-file's keys; None: no keys, one user (access.py)
-    micro_batch_tokens: int = 4096  # token positions of a forward_backward micro-batch (--micro-batch-tokens)
+    micro_batch_tokens: int = 1024  # token positions of a forward_backward micro-batch (--micro-batch-tokens)
     owners: dict[str, str | None] = field(default_factory=dict)  # future or sampling session id -> its key's digest
 
     def __post_init__(self) -> None:
