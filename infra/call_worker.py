@@ -120,8 +120,12 @@ class CallWorker:
                 answer = None
                 try:
                     answer = p.on_ask(msg[2]) if p.on_ask is not None else None
-                finally:
+                except Exception:  # noqa: BLE001 - the asker gets None; this reader must go on for every call
+                    log.exception("%s: answering a call's question failed", self.what)
+                try:
                     self._send(("answer", msg[1], answer))
+                except Exception:  # noqa: BLE001 - an answer pickle cannot carry: None instead
+                    self._send(("answer", msg[1], None))
             elif msg[0] == "done":
                 p.loop.call_soon_threadsafe(_settle, p.fut, msg[2], None)
             elif msg[0] == "failed":
@@ -166,7 +170,11 @@ class CallWorker:
         with self._lock:
             self._pending[cid] = _Pending(loop, fut, on_ask, proc)
         try:
-            if not self._send(("call", cid, payload)):
+            try:
+                sent = self._send(("call", cid, payload))
+            except Exception as e:  # noqa: BLE001 - pickle refused the payload; the pipe is untouched
+                raise CallFailed(f"{type(e).__name__}: the call could not be sent to the worker: {e}") from None
+            if not sent:
                 raise WorkerGone(f"{self.what} could not be reached")
             return await fut
         except asyncio.CancelledError:
