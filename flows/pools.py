@@ -150,8 +150,10 @@ def local_pool(
 
 
 @contextlib.contextmanager
-def local_pools(spec: PoolsFile, work_dir: Path, *, poll: bool = True) -> Iterator[list[LocalPool]]:
-    """Every pool of ``spec`` (and the SeaweedFS server it asks for)."""
+def local_pools(spec: PoolsFile, work_dir: Path, *, poll: bool = True,
+                before_agents: Callable[[], None] | None = None) -> Iterator[list[LocalPool]]:  # fmt: skip
+    """Every pool of ``spec`` (and the SeaweedFS server it asks for). `before_agents` runs once the engines are
+    ready, just before the agents register the pools (where a stop must become a drain)."""
     work_dir = Path(work_dir).resolve()
     with contextlib.ExitStack() as stack:
         if spec.seaweedfs is not None:
@@ -164,6 +166,8 @@ def local_pools(spec: PoolsFile, work_dir: Path, *, poll: bool = True) -> Iterat
         pools = [stack.enter_context(local_pool(p, work_dir, poll=poll, wait=False)) for p in spec.pools]
         for p in pools:
             p.engines.wait_ready()
+        if before_agents is not None:
+            before_agents()
         if poll:
             for p in pools:
                 p.agent.start()
@@ -178,10 +182,18 @@ def pools_up(path: str | Path, work_dir: str | Path) -> int:
     # server does not die with this process on its own.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    with local_pools(spec, work_dir) as pools:
+    early: list[int] = []  # a signal between the pools' registration and the drain handler: drained just below
+
+    def hold_signals() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, frame: early.append(signum))
+
+    with local_pools(spec, work_dir, before_agents=hold_signals) as pools:
         leaving = _Leaving(pools)
         signal.signal(signal.SIGINT, leaving.on_signal)
         signal.signal(signal.SIGTERM, leaving.on_signal)
+        if early:
+            leaving.on_signal(early[0], None)
         if spec.seaweedfs is not None:
             env_file = work_dir.resolve() / "s3.env"
             env_file.write_text("".join(f"export {k}={v}\n" for k, v in _s3_env().items()))
