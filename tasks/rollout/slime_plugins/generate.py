@@ -222,11 +222,9 @@ class SlimeGenerate:
     async def __call__(self, ctx, prompt, params: dict) -> SampleGeneration:
         provide_slime_names()
         from slime.rollout.sglang_rollout import GenerateState
-        from slime.utils.http_utils import init_http_client
         from slime.utils.types import Sample
 
-        args = self._args_for(ctx)
-        init_http_client(args)
+        args = self._args_for(ctx)  # slime's http client is set up where the function runs (SlimeCalls)
         state = GenerateState(args)
         sampling_params = state.sampling_params.copy()
         if params.get("sampling_seed") is not None:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from sluiceway.tasks.rollout.slime_plugins import provide_slime_names
 from sluiceway.tasks.rollout.slime_plugins.generate import reward_of, slime_label
+from sluiceway.tasks.rollout.slime_plugins.worker import awaited
 
 
 def _details(row: dict) -> dict:
@@ -74,22 +75,19 @@ def _status(Sample, value: str):
         return Sample.Status.FAILED
 
 
-async def _awaited(out):
-    return await out if inspect.isawaitable(out) else out
-
 
 def slime_scorer(fn: Callable, args: Namespace, group_rm: bool) -> Callable:
     """slime's rm as a scorer of tasks/reward/score.py: per sample (response, label, row), or per group."""
     if group_rm:
 
         async def score_group(responses, labels, rows) -> list[tuple[float, dict]]:
-            rewards = await _awaited(fn(args, [sample_of_row(r) for r in rows]))
+            rewards = await awaited(fn(args, [sample_of_row(r) for r in rows]))
             return [reward_of(x, args) for x in rewards]
 
         return score_group
 
     async def score(response, label, row) -> tuple[float, dict]:
-        return reward_of(await _awaited(fn(args, sample_of_row(row))), args)
+        return reward_of(await awaited(fn(args, sample_of_row(row))), args)
 
     return score
 

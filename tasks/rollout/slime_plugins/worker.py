@@ -119,7 +119,7 @@ class SlimeCalls:
         rm, rm_name = self._rm(args)
         if rm is None:
             return
-        rewards = await _awaited(rm(args, need))
+        rewards = await awaited(rm(args, need))
         if not isinstance(rewards, list | tuple) or len(rewards) != len(need):
             raise UserError(f"{rm_name} returned {rewards!r} for a list of {len(need)} Samples: "
                             "a list of as many rewards is needed (slime's batched_async_rm)")  # fmt: skip
@@ -140,7 +140,7 @@ class SlimeCalls:
         return self._rm_fn, self._rm_name
 
 
-async def _awaited(out):
+async def awaited(out):
     return await out if inspect.isawaitable(out) else out
 
 
