@@ -25,6 +25,10 @@ async def generate(args, sample, sampling_params):
     args.worker_pid = os.getpid()
     args.http_lock = threading.Lock()  # a value that cannot cross: it stays in the worker, the call goes on
     await asyncio.sleep(0.5)  # every sample is in the shared worker when the misbehaving ones strike
+    if sample.index == 6:
+        raise RuntimeError("the tool server is down")
+    if sample.index == 7:
+        return "garbage"
     if sample.index % 4 == 1:
         os._exit(3)
     if sample.index % 4 == 2:
@@ -64,7 +68,8 @@ def test_an_exit_or_a_blocked_loop_costs_its_own_sample_only(tmp_path, monkeypat
     async def main():
         together = await asyncio.gather(*(sample(i) for i in range(4)))
         seen.append(args.calls_seen)
-        return [*together, await sample(4)]  # in a new shared worker, which starts from the run's args
+        later = [await sample(i) for i in (4, 6, 7)]  # in a new shared worker, which starts from the run's args
+        return [*together, *later]
 
     seen = []
     try:
@@ -72,12 +77,16 @@ def test_an_exit_or_a_blocked_loop_costs_its_own_sample_only(tmp_path, monkeypat
     finally:
         gen.close()
     assert [r.token_ids for r in (results[0], results[3])] == [[10], [13]]
-    assert [r.finish_reason for r in results] == ["stop", "failed", "failed", "stop", "stop"]
+    assert [r.finish_reason for r in results] == ["stop", "failed", "failed", "stop", "stop", "failed", "failed"]
+    raised, garbage = (r.row_metadata["failure_reason"] for r in results[5:7])
+    assert "raised RuntimeError: the tool server is down" in raised, raised
+    assert "returned str, not a slime Sample" in garbage, garbage
     exited, blocked = (r.row_metadata["failure_reason"] for r in results[1:3])
     assert "exited with code 3 during the call" in exited, exited
     assert "was killed after 10 s without a sign of life" in blocked, blocked
     assert results[4].token_ids == [14]
     # what the plugin set reached the run's args (each call alone counted on from them), and the next shared
     # worker started from them
+    # (a call that failed brings nothing back)
     assert seen[0] >= 1 and args.calls_seen == seen[0] + 1 and args.worker_pid != os.getpid()
     assert not hasattr(args, "http_lock")
